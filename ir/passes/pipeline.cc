@@ -1,0 +1,45 @@
+// The pass pipeline and the standard training pipeline.
+#include "ir/passes/pipeline.h"
+
+#include "ir/error.h"
+#include "ir/passes/autodiff.h"
+#include "ir/verifier.h"
+
+namespace shardstep::ir {
+
+PassPipeline& PassPipeline::Add(std::unique_ptr<Pass> pass) {
+  passes_.push_back(std::move(pass));
+  return *this;
+}
+
+std::vector<std::string> PassPipeline::Names() const {
+  std::vector<std::string> names;
+  for (auto& p : passes_) names.push_back(p->name());
+  return names;
+}
+
+bool PassPipeline::Run(Module& m) {
+  bool changed = false;
+  Verify(m);
+  for (auto& p : passes_) {
+    if (disabled_.count(p->name())) continue;
+    changed |= p->Run(m);
+    try {
+      Verify(m);
+    } catch (const Error& e) {
+      SS_CHECK(false, "pass ", p->name(), " produced an invalid module: ", e.what());
+    }
+    if (on_pass_) on_pass_(p->name(), m);
+    if (p->name() == stop_after_) break;
+  }
+  return changed;
+}
+
+PassPipeline BuildTrainingPipeline(const OptimizerConfig& optimizer, int replicas) {
+  PassPipeline p;
+  p.Add(std::make_unique<Autodiff>("loss"));
+  p.Add(std::make_unique<OptimizerLowering>(optimizer));
+  return p;
+}
+
+}  // namespace shardstep::ir

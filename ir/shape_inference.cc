@@ -1,0 +1,380 @@
+// Shape inference: one case per op of ir/ops.def (no default: a new op without a rule fails to compile).
+#include "ir/shape_inference.h"
+
+#include <algorithm>
+#include <numeric>
+#include <optional>
+
+#include "ir/error.h"
+
+namespace shardstep::ir {
+namespace {
+
+std::string Signature(OpCode op, const std::vector<TensorType>& operands) {
+  std::string s = std::string(OpName(op)) + "(";
+  for (size_t i = 0; i < operands.size(); ++i) s += (i ? ", " : "") + operands[i].ToString();
+  return s + ")";
+}
+
+// Attribute lookups for inference, on the raw map (there is no Instr yet).
+const AttrValue* Find(const Attrs& a, const char* key) {
+  auto it = a.find(key);
+  return it == a.end() ? nullptr : &it->second;
+}
+
+struct Checker {
+  OpCode op;
+  const std::vector<TensorType>& in;
+  const Attrs& attrs;
+
+  [[noreturn]] void Fail(const std::string& why) const {
+    throw Error(Str(Signature(op, in), ": ", why));
+  }
+  void Require(bool ok, const std::string& why) const {
+    if (!ok) Fail(why);
+  }
+  int64_t Int(const char* key, std::optional<int64_t> dflt = std::nullopt) const {
+    const AttrValue* v = Find(attrs, key);
+    if (!v) {
+      if (dflt) return *dflt;
+      Fail(Str("missing attribute '", key, "'"));
+    }
+    if (auto* i = std::get_if<int64_t>(v)) return *i;
+    Fail(Str("attribute '", key, "' must be an integer"));
+  }
+  IntList Ints(const char* key, std::optional<IntList> dflt = std::nullopt) const {
+    const AttrValue* v = Find(attrs, key);
+    if (!v) {
+      if (dflt) return *dflt;
+      Fail(Str("missing attribute '", key, "'"));
+    }
+    if (auto* l = std::get_if<IntList>(v)) return *l;
+    Fail(Str("attribute '", key, "' must be a list of integers"));
+  }
+  std::string String(const char* key, std::optional<std::string> dflt = std::nullopt) const {
+    const AttrValue* v = Find(attrs, key);
+    if (!v) {
+      if (dflt) return *dflt;
+      Fail(Str("missing attribute '", key, "'"));
+    }
+    if (auto* s = std::get_if<std::string>(v)) return *s;
+    Fail(Str("attribute '", key, "' must be a string"));
+  }
+  void Float(const char* key) const {
+    const AttrValue* v = Find(attrs, key);
+    Require(v && (std::holds_alternative<double>(*v) || std::holds_alternative<int64_t>(*v)),
+            Str("attribute '", key, "' must be a number"));
+  }
+  // Axes: unique, in range, sorted.
+  IntList Axes(const char* key, int64_t rank) const {
+    IntList axes = Ints(key);
+    for (size_t i = 0; i < axes.size(); ++i) {
+      Require(axes[i] >= 0 && axes[i] < rank, Str(key, " ", ShapeToString(axes), " out of range for rank ", rank));
+      Require(i == 0 || axes[i] > axes[i - 1], Str(key, " ", ShapeToString(axes), " must be strictly increasing"));
+    }
+    return axes;
+  }
+  IntList Pair(const char* key, std::optional<IntList> dflt = std::nullopt) const {
+    IntList p = Ints(key, dflt);
+    Require(p.size() == 2, Str("attribute '", key, "' must have 2 entries, got ", ShapeToString(p)));
+    return p;
+  }
+  void RequireRank(size_t i, int64_t rank) const {
+    Require(in[i].rank() == rank, Str("operand ", i, " must have rank ", rank, ", got ", in[i].ToString()));
+  }
+  void RequireF32(size_t i) const {
+    Require(in[i].dtype == DType::kF32, Str("operand ", i, " must be f32, got ", in[i].ToString()));
+  }
+};
+
+// Output spatial size of a window (conv or pool) along one axis.
+int64_t WindowOut(int64_t in, int64_t k, int64_t stride, int64_t pad) { return (in + 2 * pad - k) / stride + 1; }
+
+}  // namespace
+
+IntLists ReplicaGroups(const Instr& c, int num_replicas) {
+  IntLists groups = c.GetIntLists("groups");
+  if (groups.empty()) {
+    std::vector<int64_t> all(num_replicas);
+    std::iota(all.begin(), all.end(), 0);
+    groups.push_back(all);
+  }
+  return groups;
+}
+
+int64_t GroupSize(const Instr& c, int num_replicas) {
+  if (c.Has("group_size")) return c.GetInt("group_size");
+  return static_cast<int64_t>(ReplicaGroups(c, num_replicas)[0].size());
+}
+
+TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& attrs, const TensorType* declared) {
+  Checker c{op, in, attrs};
+  const int arity = OpArity(op);
+  if (arity >= 0) c.Require(static_cast<int>(in.size()) == arity, Str("expects ", arity, " operands"));
+  else c.Require(!in.empty(), "expects at least one operand");
+
+  auto same_shapes = [&] {
+    for (size_t i = 1; i < in.size(); ++i)
+      c.Require(in[i].shape == in[0].shape, "operand shapes differ (elementwise ops need equal shapes; broadcast first)");
+  };
+  auto same_types = [&] {
+    same_shapes();
+    for (size_t i = 1; i < in.size(); ++i) c.Require(in[i].dtype == in[0].dtype, "operand dtypes differ");
+  };
+
+  switch (op) {
+    case OpCode::kVariable:
+    case OpCode::kInput:
+    case OpCode::kConstant:
+      c.Require(declared != nullptr, "a leaf needs a declared type");
+      if (op == OpCode::kConstant) c.Float("value");
+      for (int64_t d : declared->shape) c.Require(d >= 0, Str("negative dimension in ", declared->ToString()));
+      return *declared;
+    case OpCode::kReplicaId:
+      return {DType::kS32, {}};
+
+    case OpCode::kNeg:
+    case OpCode::kAbs:
+      return in[0];
+    case OpCode::kExp:
+    case OpCode::kLog:
+    case OpCode::kSqrt:
+    case OpCode::kRsqrt:
+    case OpCode::kTanh:
+    case OpCode::kSin:
+    case OpCode::kCos:
+    case OpCode::kSigmoid:
+    case OpCode::kRelu:
+      c.RequireF32(0);
+      return in[0];
+    case OpCode::kConvert: {
+      DType to;
+      c.Require(ParseDType(c.String("dtype"), &to), "attribute 'dtype' must be f32 or s32");
+      return {to, in[0].shape};
+    }
+
+    case OpCode::kAdd:
+    case OpCode::kSub:
+    case OpCode::kMul:
+    case OpCode::kDiv:
+    case OpCode::kMax:
+    case OpCode::kMin:
+    case OpCode::kEq:
+    case OpCode::kNe:
+    case OpCode::kLt:
+    case OpCode::kLe:
+    case OpCode::kGt:
+    case OpCode::kGe:
+      same_types();
+      return in[0];
+    case OpCode::kPow:
+      same_types();
+      c.RequireF32(0);
+      return in[0];
+    case OpCode::kSelect:
+      same_shapes();
+      c.Require(in[1].dtype == in[2].dtype, "select branches have different dtypes");
+      return in[1];
+
+    case OpCode::kBroadcast: {
+      Shape shape = c.Ints("shape");
+      IntList dims = c.Ints("dims");
+      c.Require(dims.size() == in[0].shape.size(),
+                Str("dims ", ShapeToString(dims), " must map each of the operand's ", in[0].rank(), " dimensions"));
+      for (size_t i = 0; i < dims.size(); ++i) {
+        c.Require(dims[i] >= 0 && dims[i] < static_cast<int64_t>(shape.size()) && (i == 0 || dims[i] > dims[i - 1]),
+                  Str("dims ", ShapeToString(dims), " must be increasing and within rank ", shape.size()));
+        c.Require(shape[dims[i]] == in[0].shape[i],
+                  Str("operand dimension ", i, " (", in[0].shape[i], ") does not match output dimension ", dims[i],
+                      " of ", ShapeToString(shape)));
+      }
+      return {in[0].dtype, shape};
+    }
+    case OpCode::kReshape: {
+      Shape shape = c.Ints("shape");
+      c.Require(NumElements(shape) == in[0].elements(),
+                Str("cannot reshape ", in[0].elements(), " elements to ", ShapeToString(shape)));
+      return {in[0].dtype, shape};
+    }
+    case OpCode::kTranspose: {
+      IntList perm = c.Ints("perm");
+      IntList sorted = perm;
+      std::sort(sorted.begin(), sorted.end());
+      IntList iota(in[0].rank());
+      std::iota(iota.begin(), iota.end(), 0);
+      c.Require(sorted == iota, Str("perm ", ShapeToString(perm), " is not a permutation of rank ", in[0].rank()));
+      Shape out(perm.size());
+      for (size_t i = 0; i < perm.size(); ++i) out[i] = in[0].shape[perm[i]];
+      return {in[0].dtype, out};
+    }
+    case OpCode::kSlice: {
+      IntList start = c.Ints("start"), limit = c.Ints("limit");
+      c.Require(static_cast<int64_t>(start.size()) == in[0].rank() && limit.size() == start.size(),
+                "start and limit must have one entry per dimension");
+      Shape out(start.size());
+      for (size_t i = 0; i < start.size(); ++i) {
+        c.Require(0 <= start[i] && start[i] <= limit[i] && limit[i] <= in[0].shape[i],
+                  Str("slice [", start[i], ",", limit[i], ") out of range in dimension ", i));
+        out[i] = limit[i] - start[i];
+      }
+      return {in[0].dtype, out};
+    }
+    case OpCode::kPad: {
+      IntList low = c.Ints("low"), high = c.Ints("high");
+      c.Require(static_cast<int64_t>(low.size()) == in[0].rank() && high.size() == low.size(),
+                "low and high must have one entry per dimension");
+      Shape out(low.size());
+      for (size_t i = 0; i < low.size(); ++i) {
+        c.Require(low[i] >= 0 && high[i] >= 0, "padding must be non-negative");
+        out[i] = in[0].shape[i] + low[i] + high[i];
+      }
+      return {in[0].dtype, out};
+    }
+    case OpCode::kConcat: {
+      int64_t axis = c.Int("axis");
+      c.Require(axis >= 0 && axis < in[0].rank(), Str("axis ", axis, " out of range"));
+      Shape out = in[0].shape;
+      for (size_t i = 1; i < in.size(); ++i) {
+        c.Require(in[i].dtype == in[0].dtype && in[i].rank() == in[0].rank(), "operands differ in dtype or rank");
+        for (int64_t d = 0; d < in[0].rank(); ++d)
+          if (d != axis) c.Require(in[i].shape[d] == in[0].shape[d], Str("operands differ in dimension ", d));
+        out[axis] += in[i].shape[axis];
+      }
+      return {in[0].dtype, out};
+    }
+
+    case OpCode::kReduceSum:
+    case OpCode::kReduceMax:
+    case OpCode::kReduceMean: {
+      IntList axes = c.Axes("axes", in[0].rank());
+      Shape out;
+      for (int64_t d = 0; d < in[0].rank(); ++d)
+        if (!std::binary_search(axes.begin(), axes.end(), d)) out.push_back(in[0].shape[d]);
+      return {in[0].dtype, out};
+    }
+
+    case OpCode::kMatmul: {
+      c.RequireRank(0, 2);
+      c.RequireRank(1, 2);
+      c.RequireF32(0);
+      c.RequireF32(1);
+      bool ta = c.Int("transpose_a", 0) != 0, tb = c.Int("transpose_b", 0) != 0;
+      int64_t m = ta ? in[0].shape[1] : in[0].shape[0], k = ta ? in[0].shape[0] : in[0].shape[1];
+      int64_t k2 = tb ? in[1].shape[1] : in[1].shape[0], n = tb ? in[1].shape[0] : in[1].shape[1];
+      c.Require(k == k2, Str("contracting dimensions differ: ", k, " vs ", k2));
+      return {DType::kF32, {m, n}};
+    }
+    case OpCode::kConv2d: {
+      c.RequireRank(0, 4);
+      c.RequireRank(1, 4);
+      IntList s = c.Pair("stride", IntList{1, 1}), p = c.Pair("padding", IntList{0, 0});
+      const Shape &x = in[0].shape, &w = in[1].shape;
+      c.Require(x[1] == w[1], Str("input channels ", x[1], " do not match filter input channels ", w[1]));
+      int64_t oh = WindowOut(x[2], w[2], s[0], p[0]), ow = WindowOut(x[3], w[3], s[1], p[1]);
+      c.Require(oh > 0 && ow > 0 && s[0] > 0 && s[1] > 0, "filter larger than padded input, or bad stride");
+      return {DType::kF32, {x[0], w[0], oh, ow}};
+    }
+    case OpCode::kConv2dInputGrad: {  // (dy, w) -> dx
+      c.RequireRank(0, 4);
+      c.RequireRank(1, 4);
+      Shape x = c.Ints("input_shape");
+      IntList s = c.Pair("stride", IntList{1, 1}), p = c.Pair("padding", IntList{0, 0});
+      const Shape &dy = in[0].shape, &w = in[1].shape;
+      c.Require(x.size() == 4 && dy[0] == x[0] && dy[1] == w[0] && x[1] == w[1] &&
+                    dy[2] == WindowOut(x[2], w[2], s[0], p[0]) && dy[3] == WindowOut(x[3], w[3], s[1], p[1]),
+                "input_shape, dy and filter do not describe one convolution");
+      return {DType::kF32, x};
+    }
+    case OpCode::kConv2dFilterGrad: {  // (x, dy) -> dw
+      c.RequireRank(0, 4);
+      c.RequireRank(1, 4);
+      Shape w = c.Ints("filter_shape");
+      IntList s = c.Pair("stride", IntList{1, 1}), p = c.Pair("padding", IntList{0, 0});
+      const Shape &x = in[0].shape, &dy = in[1].shape;
+      c.Require(w.size() == 4 && dy[0] == x[0] && dy[1] == w[0] && x[1] == w[1] &&
+                    dy[2] == WindowOut(x[2], w[2], s[0], p[0]) && dy[3] == WindowOut(x[3], w[3], s[1], p[1]),
+                "filter_shape, x and dy do not describe one convolution");
+      return {DType::kF32, w};
+    }
+    case OpCode::kMaxPool:
+    case OpCode::kAvgPool: {
+      c.RequireRank(0, 4);
+      IntList k = c.Pair("window"), s = c.Pair("stride", k);
+      const Shape& x = in[0].shape;
+      int64_t oh = WindowOut(x[2], k[0], s[0], 0), ow = WindowOut(x[3], k[1], s[1], 0);
+      c.Require(oh > 0 && ow > 0 && s[0] > 0 && s[1] > 0, "window larger than input, or bad stride");
+      return {DType::kF32, {x[0], x[1], oh, ow}};
+    }
+    case OpCode::kMaxPoolGrad: {  // (x, dy) -> dx
+      c.RequireRank(0, 4);
+      c.RequireRank(1, 4);
+      IntList k = c.Pair("window"), s = c.Pair("stride", k);
+      const Shape &x = in[0].shape, &dy = in[1].shape;
+      c.Require(dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
+                "dy does not match the pooled shape of x");
+      return in[0];
+    }
+    case OpCode::kAvgPoolGrad: {  // (dy) -> dx
+      c.RequireRank(0, 4);
+      IntList k = c.Pair("window"), s = c.Pair("stride", k);
+      Shape x = c.Ints("input_shape");
+      const Shape& dy = in[0].shape;
+      c.Require(x.size() == 4 && dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
+                "dy does not match the pooled shape of input_shape");
+      return {DType::kF32, x};
+    }
+
+    case OpCode::kOneHot: {
+      c.Require(in[0].dtype == DType::kS32, "labels must be s32");
+      int64_t depth = c.Int("depth");
+      c.Require(depth > 0, "depth must be positive");
+      Shape out = in[0].shape;
+      out.push_back(depth);
+      return {DType::kF32, out};
+    }
+    case OpCode::kGather: {  // (table [V, D...], indices s32[...]) -> [indices..., D...]
+      c.Require(in[1].dtype == DType::kS32, "indices must be s32");
+      c.Require(in[0].rank() >= 1, "table must have rank >= 1");
+      Shape out = in[1].shape;
+      out.insert(out.end(), in[0].shape.begin() + 1, in[0].shape.end());
+      return {in[0].dtype, out};
+    }
+    case OpCode::kScatterAdd: {  // (indices s32[...], updates [indices..., D...]) {rows=V} -> [V, D...]
+      c.Require(in[0].dtype == DType::kS32, "indices must be s32");
+      int64_t rows = c.Int("rows");
+      const Shape &idx = in[0].shape, &up = in[1].shape;
+      c.Require(up.size() >= idx.size() && std::equal(idx.begin(), idx.end(), up.begin()),
+                "updates must start with the indices' shape");
+      Shape out{rows};
+      out.insert(out.end(), up.begin() + idx.size(), up.end());
+      return {in[1].dtype, out};
+    }
+
+    case OpCode::kAllReduce: {
+      std::string r = c.String("reduction", "sum");
+      c.Require(r == "sum" || r == "mean" || r == "max", Str("unknown reduction '", r, "'"));
+      return in[0];
+    }
+    case OpCode::kReduceScatter: {
+      std::string r = c.String("reduction", "sum");
+      c.Require(r == "sum" || r == "mean", Str("unknown reduction '", r, "'"));
+      int64_t g = c.Int("group_size");
+      c.Require(in[0].rank() >= 1 && g > 0 && in[0].shape[0] % g == 0,
+                Str("dimension 0 must be divisible by the group size ", g));
+      Shape out = in[0].shape;
+      out[0] /= g;
+      return {in[0].dtype, out};
+    }
+    case OpCode::kAllGather: {
+      int64_t g = c.Int("group_size");
+      c.Require(in[0].rank() >= 1 && g > 0, "all_gather needs rank >= 1 and a positive group size");
+      Shape out = in[0].shape;
+      out[0] *= g;
+      return {in[0].dtype, out};
+    }
+  }
+  SS_CHECK(false, "unhandled op");
+  return {};
+}
+
+}  // namespace shardstep::ir

@@ -1,0 +1,46 @@
+// The built-in models.
+#include "models/models.h"
+
+#include "ir/error.h"
+
+namespace shardstep::models {
+
+dsl::Tensor DefineMlp(dsl::Model& m, const ModelOptions& o) {
+  auto x = m.input("image", dsl::f32({o.batch, 784}));
+  auto y = m.input("label", dsl::s32({o.batch}));
+  for (size_t i = 0; i < o.hidden.size(); ++i) x = x.dense(o.hidden[i], "fc" + std::to_string(i + 1)).relu();
+  auto logits = x.dense(o.classes, "fc" + std::to_string(o.hidden.size() + 1));
+  m.output("logits", logits);
+  return logits.cross_entropy(y).mean();
+}
+
+dsl::Tensor DefineCnn(dsl::Model& m, const ModelOptions& o) {
+  auto x = m.input("image", dsl::f32({o.batch, 1, 28, 28}));
+  auto y = m.input("label", dsl::s32({o.batch}));
+  auto h = x.conv2d(32, 3, "conv1", 1, 1).relu().max_pool(2)
+               .conv2d(64, 3, "conv2", 1, 1).relu().max_pool(2)
+               .flatten()
+               .dense(128, "fc1").relu();
+  auto logits = h.dense(o.classes, "fc2");
+  m.output("logits", logits);
+  return logits.cross_entropy(y).mean();
+}
+
+const std::vector<ModelSpec>& AllModels() {
+  static const std::vector<ModelSpec> models = {
+      {"mlp", "multi-layer perceptron on flattened 28x28 images (--hidden sets the widths)", {784}, DefineMlp},
+      {"cnn", "two 3x3 conv + max-pool blocks, then dense 128 and dense 10", {1, 28, 28}, DefineCnn},
+  };
+  return models;
+}
+
+const ModelSpec& FindModel(const std::string& name) {
+  std::string known;
+  for (const ModelSpec& s : AllModels()) {
+    if (s.name == name) return s;
+    known += (known.empty() ? "" : ", ") + s.name;
+  }
+  throw Error(Str("unknown model '", name, "' (known: ", known, ")"));
+}
+
+}  // namespace shardstep::models

@@ -1,0 +1,281 @@
+// safetensors reading and writing: 8-byte little-endian header length, JSON header, packed data.
+#include "runtime/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ir/error.h"
+
+namespace shardstep::runtime {
+namespace {
+
+using nlohmann::json;
+
+static_assert(std::endian::native == std::endian::little,
+              "tensor bytes are written as stored; safetensors is little-endian");
+
+const char* SafetensorsDType(ir::DType t) {
+  switch (t) {
+    case ir::DType::kF32: return "F32";
+    case ir::DType::kS32: return "I32";
+  }
+  return "?";
+}
+
+// Writes all n bytes, retrying short writes; false with errno set on failure.
+bool WriteAll(int fd, const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+std::string ReadFile(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(Str("cannot open ", path, ": ", std::strerror(errno)));
+  std::string bytes;
+  char buf[1 << 16];
+  for (;;) {
+    ssize_t r = ::read(fd, buf, sizeof(buf));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      int e = errno;
+      ::close(fd);
+      throw Error(Str("cannot read ", path, ": ", std::strerror(e)));
+    }
+    if (r == 0) break;
+    bytes.append(buf, static_cast<size_t>(r));
+  }
+  ::close(fd);
+  return bytes;
+}
+
+// The non-negative integer at `j`, or nullopt if it is anything else.
+std::optional<uint64_t> AsUnsigned(const json& j) {
+  if (!j.is_number_unsigned()) return std::nullopt;
+  return j.get<uint64_t>();
+}
+
+struct Entry {
+  std::string name;
+  ir::TensorType type;
+  uint64_t begin, end;
+};
+
+// Parses and checks one tensor entry of the header against a data buffer of `buffer` bytes.
+Entry ParseEntry(const std::string& path, const std::string& name, const json& v, uint64_t buffer) {
+  auto bad = [&](const std::string& what) { return Error(Str(path, ": tensor '", name, "': ", what)); };
+  if (!v.is_object()) throw bad("entry is not a JSON object");
+  Entry e{name, {}, 0, 0};
+  auto dtype = v.find("dtype");
+  if (dtype == v.end() || !dtype->is_string()) throw bad("missing or non-string \"dtype\"");
+  const std::string dt = dtype->get<std::string>();
+  if (dt == "F32") e.type.dtype = ir::DType::kF32;
+  else if (dt == "I32") e.type.dtype = ir::DType::kS32;
+  else throw bad(Str("unsupported dtype '", dt, "' (supported: F32, I32)"));
+
+  auto shape = v.find("shape");
+  if (shape == v.end() || !shape->is_array()) throw bad("missing or non-array \"shape\"");
+  uint64_t bytes = 4;
+  for (const json& d : *shape) {
+    auto dim = AsUnsigned(d);
+    if (!dim || *dim > uint64_t{INT64_MAX}) throw bad(Str("bad dimension ", d.dump(), " in shape ", shape->dump()));
+    if (__builtin_mul_overflow(bytes, *dim, &bytes)) throw bad(Str("shape ", shape->dump(), " is too large"));
+    e.type.shape.push_back(static_cast<int64_t>(*dim));
+  }
+
+  auto offsets = v.find("data_offsets");
+  if (offsets == v.end() || !offsets->is_array() || offsets->size() != 2 || !AsUnsigned((*offsets)[0]) ||
+      !AsUnsigned((*offsets)[1])) {
+    throw bad("\"data_offsets\" must be [begin, end] with non-negative integers");
+  }
+  e.begin = *AsUnsigned((*offsets)[0]);
+  e.end = *AsUnsigned((*offsets)[1]);
+  if (e.begin > e.end) throw bad(Str("data_offsets ", offsets->dump(), " end before they begin"));
+  if (e.end > buffer) {
+    throw bad(Str("data_offsets ", offsets->dump(), " run past the end of the ", buffer,
+                  "-byte data buffer (truncated file?)"));
+  }
+  if (bytes != e.end - e.begin) {
+    throw bad(Str("shape ", ir::ShapeToString(e.type.shape), " of ", dt, " needs ", bytes,
+                  " bytes but data_offsets ", offsets->dump(), " hold ", e.end - e.begin));
+  }
+  return e;
+}
+
+}  // namespace
+
+void SaveCheckpoint(const std::string& path, const std::map<std::string, Tensor>& tensors,
+                    const std::map<std::string, std::string>& metadata) {
+  // 1. Build the header; tensors are packed in name order.
+  json header = json::object();
+  uint64_t offset = 0;
+  for (const auto& [name, t] : tensors) {
+    if (name == "__metadata__") throw Error(Str(path, ": cannot save a tensor named '__metadata__'"));
+    size_t stored = t.dtype() == ir::DType::kF32 ? t.f32.size() : t.s32.size();
+    if (static_cast<int64_t>(stored) != t.elements()) {
+      throw Error(Str(path, ": cannot save tensor '", name, "': type ", t.type.ToString(), " but ", stored,
+                      " elements stored"));
+    }
+    const uint64_t bytes = static_cast<uint64_t>(t.bytes());
+    header[name] = {{"dtype", SafetensorsDType(t.dtype())},
+                    {"shape", t.shape()},
+                    {"data_offsets", json::array({offset, offset + bytes})}};
+    offset += bytes;
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const json::exception& e) {  // e.g. a name that is not valid UTF-8
+    throw Error(Str(path, ": cannot save checkpoint: ", e.what()));
+  }
+  text.append((8 - text.size() % 8) % 8, ' ');
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
+
+  // 2. Write a temporary file next to the target, fsync, rename over the target.
+  const std::string tmp = Str(path, ".tmp.", ::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(Str(path, ": cannot save checkpoint: cannot create ", tmp, ": ", std::strerror(errno)));
+  auto fail = [&](const char* step) {
+    const int e = errno;
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    return Error(Str(path, ": cannot save checkpoint: ", step, ": ", std::strerror(e)));
+  };
+  if (!WriteAll(fd, len, sizeof(len)) || !WriteAll(fd, text.data(), text.size())) throw fail("write");
+  for (const auto& [name, t] : tensors) {
+    if (!WriteAll(fd, t.raw(), static_cast<size_t>(t.bytes()))) throw fail("write");
+  }
+  if (::fsync(fd) != 0) throw fail("fsync");
+  const int rc = ::close(fd);
+  fd = -1;
+  if (rc != 0) throw fail("close");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) throw fail("rename");
+
+  // 3. Make the rename itself durable (best effort: some filesystems refuse fsync on directories).
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+std::map<std::string, Tensor> LoadCheckpoint(const std::string& path,
+                                             std::map<std::string, std::string>* metadata) {
+  const std::string bytes = ReadFile(path);
+  const uint64_t size = bytes.size();
+  if (size < 8) {
+    throw Error(Str(path, ": truncated: file is ", size, " bytes, too short for the 8-byte header length"));
+  }
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<uint8_t>(bytes[i])} << (8 * i);
+  if (n > size - 8) {
+    throw Error(Str(path, ": header length ", n, " exceeds the ", size - 8,
+                    " bytes after the length field (truncated or corrupt file)"));
+  }
+  json header;
+  try {
+    header = json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<std::ptrdiff_t>(n));
+  } catch (const json::exception& e) {
+    throw Error(Str(path, ": bad JSON header: ", e.what()));
+  }
+  if (!header.is_object()) throw Error(Str(path, ": JSON header is not an object"));
+
+  const uint64_t buffer = size - 8 - n;
+  const char* data = bytes.data() + 8 + n;
+  std::vector<Entry> entries;
+  std::map<std::string, std::string> meta;
+  for (const auto& [name, v] : header.items()) {
+    if (name != "__metadata__") {
+      entries.push_back(ParseEntry(path, name, v, buffer));
+      continue;
+    }
+    if (!v.is_object()) throw Error(Str(path, ": \"__metadata__\" is not a JSON object"));
+    for (const auto& [k, s] : v.items()) {
+      if (!s.is_string()) throw Error(Str(path, ": metadata '", k, "' is not a string"));
+      meta[k] = s.get<std::string>();
+    }
+  }
+
+  // The byte ranges must tile the data buffer: no overlap, no gap, nothing left over.
+  std::vector<const Entry*> sorted;
+  for (const Entry& e : entries) sorted.push_back(&e);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const Entry* a, const Entry* b) { return std::tie(a->begin, a->end) < std::tie(b->begin, b->end); });
+  uint64_t covered = 0;
+  const Entry* prev = nullptr;
+  for (const Entry* e : sorted) {
+    if (e->begin < covered) {
+      throw Error(Str(path, ": tensors '", prev->name, "' and '", e->name, "' overlap in the data buffer"));
+    }
+    if (e->begin > covered) {
+      throw Error(Str(path, ": gap in the data buffer at bytes [", covered, ",", e->begin, ")"));
+    }
+    if (e->end > covered) {
+      covered = e->end;
+      prev = e;
+    }
+  }
+  if (covered != buffer) {
+    throw Error(Str(path, ": data buffer is ", buffer, " bytes but the tensors cover ", covered));
+  }
+
+  std::map<std::string, Tensor> out;
+  for (const Entry& e : entries) {
+    Tensor t(e.type);
+    std::memcpy(t.raw(), data + e.begin, e.end - e.begin);
+    out.emplace(e.name, std::move(t));
+  }
+  if (metadata) *metadata = std::move(meta);
+  return out;
+}
+
+void CheckCheckpointMatches(const std::map<std::string, Tensor>& loaded,
+                            const std::map<std::string, ir::TensorType>& expected, const std::string& path) {
+  std::vector<std::string> problems;
+  for (const auto& [name, type] : expected) {
+    auto it = loaded.find(name);
+    if (it == loaded.end()) {
+      problems.push_back(Str("tensor '", name, "' (", type.ToString(), ") is missing from the file"));
+    } else if (it->second.dtype() != type.dtype) {
+      problems.push_back(Str("tensor '", name, "' has dtype ", ir::DTypeName(it->second.dtype()),
+                             " in the file but the model expects ", ir::DTypeName(type.dtype)));
+    } else if (it->second.shape() != type.shape) {
+      problems.push_back(Str("tensor '", name, "' has shape ", ir::ShapeToString(it->second.shape()),
+                             " in the file but the model expects ", ir::ShapeToString(type.shape)));
+    }
+  }
+  for (const auto& [name, t] : loaded) {
+    if (!expected.count(name)) {
+      problems.push_back(Str("tensor '", name, "' (", t.type.ToString(), ") in the file is not part of the model"));
+    }
+  }
+  if (problems.empty()) return;
+  std::string msg = path + ": ";
+  const size_t shown = std::min<size_t>(problems.size(), 10);
+  for (size_t i = 0; i < shown; ++i) msg += (i ? "; " : "") + problems[i];
+  if (problems.size() > shown) msg += Str("; and ", problems.size() - shown, " more");
+  throw Error(msg);
+}
+
+}  // namespace shardstep::runtime

@@ -1,0 +1,44 @@
+// Collectives: the one interface every communication backend implements (in-process threads, MPI,
+// the TPU mesh). Every replica of a group calls the same collective in the same order.
+//
+// Semantics (all implementations, checked by one conformance test):
+//  - Reductions are deterministic: element j of the result is op(x_r0[j], x_r1[j], ...) folded in
+//    increasing position within the group, so the same inputs give the same bits.
+//  - "mean" is the sum divided by the group size (one division at the end).
+//  - AllReduce gives exactly the bits of ReduceScatter followed by AllGather.
+//  - A failure in any replica (Abort) makes every pending and future call throw instead of hanging.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace shardstep::runtime {
+
+enum class Reduction { kSum, kMean, kMax };
+Reduction ParseReduction(const std::string& s);  // "sum" | "mean" | "max"
+
+// The replica ids of one group, in group order (a replica's position in it is its group rank).
+using ReplicaGroup = std::vector<int64_t>;
+
+class Collectives {
+ public:
+  virtual ~Collectives() = default;
+  virtual int num_replicas() const = 0;
+
+  // data[n] in place on every member.
+  virtual void AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n, Reduction op) = 0;
+  // in[n * |group|] -> out[n]: member at group position p gets the reduced chunk p.
+  virtual void ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n,
+                             Reduction op) = 0;
+  // in[n] -> out[n * |group|]: chunk p is the input of the member at group position p.
+  virtual void AllGather(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n) = 0;
+  // data[n] from the member at group position `root` to all members.
+  virtual void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) = 0;
+  virtual void Barrier(int replica, const ReplicaGroup& group) = 0;
+
+  // Called when a replica fails: wakes every waiting replica, which then throws `why`.
+  virtual void Abort(const std::string& why) = 0;
+};
+
+}  // namespace shardstep::runtime

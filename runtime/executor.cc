@@ -1,0 +1,70 @@
+// The interpreter executor: replicas as threads, the batch split along dimension 0.
+#include "runtime/executor.h"
+
+#include <cstring>
+
+#include "ir/error.h"
+#include "runtime/inprocess_collectives.h"
+#include "runtime/replica_runner.h"
+
+namespace shardstep::runtime {
+
+Tensor SliceBatch(const Tensor& t, int parts, int i) {
+  if (parts == 1) return t;
+  if (t.shape().empty() || t.shape()[0] % parts != 0)
+    throw Error(Str("batch ", t.type.ToString(), " cannot be split across ", parts, " replicas"));
+  ir::Shape s = t.shape();
+  s[0] /= parts;
+  Tensor out(ir::TensorType{t.dtype(), s});
+  const int64_t n = out.elements();
+  std::memcpy(out.raw(), static_cast<const char*>(t.raw()) + i * n * ir::DTypeBytes(t.dtype()), n * ir::DTypeBytes(t.dtype()));
+  return out;
+}
+
+namespace {
+
+class InterpreterExecutor : public Executor {
+ public:
+  InterpreterExecutor(const ir::Module& step, const TensorMap& state)
+      : step_(step), n_(step.num_replicas), collectives_(step.num_replicas), states_(n_, state) {}
+
+  TensorMap Step(const TensorMap& global_inputs) override {
+    std::vector<TensorMap> outputs(n_);
+    RunReplicas(n_, &collectives_, [&](int r) {
+      TensorMap inputs;
+      for (auto& [name, t] : global_inputs) inputs[name] = SliceBatch(t, n_, r);
+      outputs[r] = RunStep(step_, states_[r], inputs, r, &collectives_);
+    });
+    TensorMap out = outputs[0];
+    if (n_ > 1 && out.count("loss")) {
+      double sum = 0;
+      for (auto& o : outputs) sum += o.at("loss").f32[0];
+      out["loss"].f32[0] = static_cast<float>(sum / n_);
+    }
+    return out;
+  }
+
+  TensorMap Forward(const ir::Module& forward, const TensorMap& inputs) override {
+    TensorMap state = states_[0];
+    return RunStep(forward, state, inputs, 0, nullptr);
+  }
+
+  TensorMap LogicalState() const override { return states_[0]; }
+  void LoadLogicalState(const TensorMap& state) override {
+    for (auto& s : states_) s = state;
+  }
+
+ private:
+  ir::Module step_;
+  int n_;
+  InProcessCollectives collectives_;
+  std::vector<TensorMap> states_;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> MakeInterpreterExecutor(const ir::Module& step, const TensorMap& logical_state) {
+  return std::make_unique<InterpreterExecutor>(step, logical_state);
+}
+
+}  // namespace shardstep::runtime

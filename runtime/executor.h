@@ -1,0 +1,34 @@
+// Executor: runs a compiled training step for all replicas of one process and owns the state.
+// The caller sees the global batch and the logical (unsharded) variables; how replicas split the
+// batch and shard the state is the executor's business.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "ir/module.h"
+#include "runtime/interpreter.h"
+
+namespace shardstep::runtime {
+
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // One training step on the global batch. Returns replica 0's outputs, with the scalar "loss"
+  // averaged over replicas.
+  virtual TensorMap Step(const TensorMap& global_inputs) = 0;
+  // Runs a forward-only module (no assigns) with the current weights on one replica.
+  virtual TensorMap Forward(const ir::Module& forward, const TensorMap& inputs) = 0;
+  // The logical state: every variable unsharded and unpadded, as a checkpoint stores it.
+  virtual TensorMap LogicalState() const = 0;
+  virtual void LoadLogicalState(const TensorMap& state) = 0;
+};
+
+// The reference interpreter, with `step.num_replicas` replica threads exchanging through
+// in-process collectives.
+std::unique_ptr<Executor> MakeInterpreterExecutor(const ir::Module& step, const TensorMap& logical_state);
+
+// Splits dim 0 of `t` into `parts` equal chunks and returns chunk `i`.
+Tensor SliceBatch(const Tensor& t, int parts, int i);
+
+}  // namespace shardstep::runtime

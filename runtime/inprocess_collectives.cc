@@ -1,0 +1,248 @@
+// InProcessCollectives: shared-memory collectives for replica threads (see the header for the protocol).
+#include "runtime/inprocess_collectives.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <set>
+#include <vector>
+
+#include "ir/error.h"
+
+namespace shardstep::runtime {
+namespace {
+
+enum class Kind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+
+const char* KindName(Kind k) {
+  switch (k) {
+    case Kind::kAllReduce: return "AllReduce";
+    case Kind::kReduceScatter: return "ReduceScatter";
+    case Kind::kAllGather: return "AllGather";
+    case Kind::kBroadcast: return "Broadcast";
+    case Kind::kBarrier: return "Barrier";
+  }
+  return "?";
+}
+
+const char* ReductionName(Reduction op) {
+  switch (op) {
+    case Reduction::kSum: return "sum";
+    case Reduction::kMean: return "mean";
+    case Reduction::kMax: return "max";
+  }
+  return "?";
+}
+
+std::string GroupString(const ReplicaGroup& group) {
+  std::string s = "{";
+  for (size_t i = 0; i < group.size(); ++i) s += (i ? "," : "") + std::to_string(group[i]);
+  return s + "}";
+}
+
+inline float MaxOf(float acc, float x) { return (x > acc || std::isnan(x)) ? x : acc; }
+
+}  // namespace
+
+struct InProcessCollectives::Slot {
+  Kind kind;
+  int64_t n;
+  Reduction op;
+  int root;
+  const float* in;
+
+  bool Matches(const Slot& o) const {
+    const bool reduces = kind == Kind::kAllReduce || kind == Kind::kReduceScatter;
+    return kind == o.kind && n == o.n && (!reduces || op == o.op) && (kind != Kind::kBroadcast || root == o.root);
+  }
+  std::string ToString() const {
+    std::string s = Str(KindName(kind), "(n=", n);
+    if (kind == Kind::kAllReduce || kind == Kind::kReduceScatter) s += Str(", ", ReductionName(op));
+    if (kind == Kind::kBroadcast) s += Str(", root=", root);
+    return s + ")";
+  }
+};
+
+struct InProcessCollectives::Group {
+  explicit Group(ReplicaGroup m) : members(std::move(m)), slots(members.size()) {}
+  int size() const { return static_cast<int>(members.size()); }
+
+  // Runs at the last arrival of the publish rendezvous, under mu. Returns an error on a mismatch.
+  std::string Prepare() {
+    for (int p = 1; p < size(); ++p) {
+      if (!slots[p].Matches(slots[0])) {
+        return Str("collective mismatch in replica group ", GroupString(members), ": replica ", members[0],
+                   " called ", slots[0].ToString(), " but replica ", members[p], " called ", slots[p].ToString());
+      }
+    }
+    const Slot& s = slots[0];
+    const int64_t need = s.kind == Kind::kAllReduce ? s.n
+                         : (s.kind == Kind::kReduceScatter || s.kind == Kind::kAllGather) ? s.n * size()
+                                                                                            : 0;
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+    reading = s.kind == Kind::kBarrier ? 0 : size();
+    return "";
+  }
+
+  // out[0..count) = fold over positions of in_p[offset + j], in group order (one function for all).
+  void Fold(int64_t offset, int64_t count, Reduction op, float* out) const {
+    std::copy_n(slots[0].in + offset, count, out);
+    for (int p = 1; p < size(); ++p) {
+      const float* x = slots[p].in + offset;
+      if (op == Reduction::kMax) {
+        for (int64_t j = 0; j < count; ++j) out[j] = MaxOf(out[j], x[j]);
+      } else {
+        for (int64_t j = 0; j < count; ++j) out[j] += x[j];
+      }
+    }
+    if (op == Reduction::kMean) {
+      const float d = static_cast<float>(size());
+      for (int64_t j = 0; j < count; ++j) out[j] /= d;
+    }
+  }
+
+  const ReplicaGroup members;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  uint64_t generation = 0;   // bumped by every completed rendezvous (reusable barrier)
+  int reading = 0;           // members in the work phase, possibly reading other members' buffers
+  std::vector<Slot> slots;   // one per position, written under mu before the publish rendezvous
+  std::vector<float> scratch;
+};
+
+InProcessCollectives::InProcessCollectives(int num_replicas) : num_replicas_(num_replicas) {
+  if (num_replicas <= 0) throw Error(Str("InProcessCollectives needs at least one replica, got ", num_replicas));
+}
+
+InProcessCollectives::~InProcessCollectives() = default;
+
+void InProcessCollectives::ThrowAborted() {
+  std::lock_guard lk(abort_mu_);
+  throw Error(why_);
+}
+
+InProcessCollectives::Group& InProcessCollectives::Enter(int replica, const ReplicaGroup& group, int64_t n,
+                                                         int* position) {
+  if (aborted_) ThrowAborted();
+  if (n < 0) throw Error(Str("collective on replica ", replica, ": negative element count ", n));
+  const auto it = std::find(group.begin(), group.end(), replica);
+  if (it == group.end()) throw Error(Str("replica ", replica, " is not in replica group ", GroupString(group)));
+  *position = static_cast<int>(it - group.begin());
+
+  std::lock_guard lk(groups_mu_);
+  auto& g = groups_[group];
+  if (!g) {
+    const std::set<int64_t> unique(group.begin(), group.end());
+    if (unique.size() != group.size() || *unique.begin() < 0 || *unique.rbegin() >= num_replicas_) {
+      groups_.erase(group);
+      throw Error(Str("invalid replica group ", GroupString(group), ": members must be distinct replica ids in [0, ",
+                      num_replicas_, ")"));
+    }
+    g = std::make_unique<Group>(group);
+  }
+  return *g;
+}
+
+void InProcessCollectives::Sync(Group& g, int position, const Slot* publish) {
+  std::string mismatch;
+  {
+    std::unique_lock lk(g.mu);
+    if (publish) {
+      g.slots[position] = *publish;
+    } else if (--g.reading == 0 && aborted_) {
+      g.cv.notify_all();  // aborted members may leave now that nobody reads their buffers
+    }
+    if (!aborted_) {
+      if (++g.arrived == g.size()) {
+        if (publish) mismatch = g.Prepare();
+        if (mismatch.empty()) {
+          g.arrived = 0;
+          ++g.generation;
+          g.cv.notify_all();
+          return;
+        }
+      } else {
+        const uint64_t gen = g.generation;
+        g.cv.wait(lk, [&] { return g.generation != gen || aborted_; });
+        if (g.generation != gen) return;  // completed (an abort is noticed at the next rendezvous)
+      }
+    }
+    // Aborted: leave only once no member reads this member's buffers any more.
+    if (mismatch.empty()) g.cv.wait(lk, [&] { return g.reading == 0; });
+  }
+  if (!mismatch.empty()) Abort(mismatch);
+  ThrowAborted();
+}
+
+void InProcessCollectives::Abort(const std::string& why) {
+  {
+    std::lock_guard lk(abort_mu_);
+    if (aborted_) return;
+    why_ = why;
+    aborted_ = true;
+  }
+  std::lock_guard lk(groups_mu_);
+  for (auto& [members, g] : groups_) {
+    std::lock_guard gl(g->mu);
+    g->cv.notify_all();
+  }
+}
+
+void InProcessCollectives::AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n,
+                                     Reduction op) {
+  int p;
+  Group& g = Enter(replica, group, n, &p);
+  const Slot slot{Kind::kAllReduce, n, op, 0, data};
+  Sync(g, p, &slot);
+  // Balanced chunks: the first n % size members take one extra element.
+  const int64_t base = n / g.size(), extra = n % g.size();
+  const int64_t lo = p * base + std::min<int64_t>(p, extra);
+  const int64_t count = base + (p < extra ? 1 : 0);
+  g.Fold(lo, count, op, g.scratch.data() + lo);
+  Sync(g, p, nullptr);
+  std::copy_n(g.scratch.data(), n, data);
+}
+
+void InProcessCollectives::ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out,
+                                         int64_t n, Reduction op) {
+  int p;
+  Group& g = Enter(replica, group, n, &p);
+  const Slot slot{Kind::kReduceScatter, n, op, 0, in};
+  Sync(g, p, &slot);
+  g.Fold(p * n, n, op, g.scratch.data() + p * n);
+  Sync(g, p, nullptr);
+  std::copy_n(g.scratch.data() + p * n, n, out);
+}
+
+void InProcessCollectives::AllGather(int replica, const ReplicaGroup& group, const float* in, float* out,
+                                     int64_t n) {
+  int p;
+  Group& g = Enter(replica, group, n, &p);
+  const Slot slot{Kind::kAllGather, n, Reduction::kSum, 0, in};
+  Sync(g, p, &slot);
+  std::copy_n(in, n, g.scratch.data() + p * n);
+  Sync(g, p, nullptr);
+  std::copy_n(g.scratch.data(), n * g.size(), out);
+}
+
+void InProcessCollectives::Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) {
+  int p;
+  Group& g = Enter(replica, group, n, &p);
+  if (root < 0 || root >= g.size()) {
+    throw Error(Str("Broadcast root position ", root, " is outside replica group ", GroupString(group)));
+  }
+  const Slot slot{Kind::kBroadcast, n, Reduction::kSum, root, data};
+  Sync(g, p, &slot);
+  if (p != root) std::copy_n(g.slots[root].in, n, data);  // root keeps its buffer until the rendezvous
+  Sync(g, p, nullptr);
+}
+
+void InProcessCollectives::Barrier(int replica, const ReplicaGroup& group) {
+  int p;
+  Group& g = Enter(replica, group, 0, &p);
+  const Slot slot{Kind::kBarrier, 0, Reduction::kSum, 0, nullptr};
+  Sync(g, p, &slot);
+}
+
+}  // namespace shardstep::runtime

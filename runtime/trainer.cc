@@ -1,0 +1,126 @@
+// The training loop.
+#include "runtime/trainer.h"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <ostream>
+
+#include "ir/error.h"
+#include "runtime/checkpoint.h"
+
+namespace shardstep::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+std::string Duration(double s) {
+  if (!std::isfinite(s)) return "?";
+  int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) return Str(t / 3600, "h", std::setw(2), std::setfill('0'), (t / 60) % 60, "m");
+  if (t >= 60) return Str(t / 60, "m", std::setw(2), std::setfill('0'), t % 60, "s");
+  return Str(t, "s");
+}
+
+// JSON number text that stays valid JSON for non-finite values.
+std::string Num(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os << std::setprecision(9) << v;
+  return os.str();
+}
+
+}  // namespace
+
+int64_t CountCorrect(const Tensor& logits, const Tensor& labels) {
+  const int64_t b = logits.shape()[0], c = logits.shape()[1];
+  int64_t correct = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const float* row = logits.f32.data() + i * c;
+    int64_t best = 0;
+    for (int64_t j = 1; j < c; ++j)
+      if (row[j] > row[best]) best = j;
+    correct += best == labels.s32[i];
+  }
+  return correct;
+}
+
+void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, int64_t eval_batch,
+              const ir::Shape& example_shape, double* accuracy, double* loss) {
+  BatchIterator it(data, eval_batch, /*shuffle=*/false, 0, example_shape);
+  const int64_t batches = it.batches_per_epoch();
+  if (batches == 0) throw Error(Str("evaluation batch ", eval_batch, " is larger than the split (", data.size(), ")"));
+  int64_t correct = 0;
+  double loss_sum = 0;
+  for (int64_t i = 0; i < batches; ++i) {
+    TensorMap in;
+    it.Next(&in["image"], &in["label"]);
+    TensorMap out = exec.Forward(forward, in);
+    correct += CountCorrect(out.at("logits"), in.at("label"));
+    loss_sum += out.at("loss").f32[0];
+  }
+  *accuracy = static_cast<double>(correct) / (batches * eval_batch);
+  *loss = loss_sum / batches;
+}
+
+TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset& train, const Dataset* test,
+                  const TrainOptions& o, std::ostream& log) {
+  std::ofstream metrics;
+  if (!o.metrics_out.empty()) {
+    metrics.open(o.metrics_out, std::ios::trunc);
+    if (!metrics) throw Error(Str("cannot write metrics file ", o.metrics_out));
+  }
+  TrainResult result;
+  BatchIterator it(train, o.batch, o.shuffle, o.seed, o.example_shape);
+  auto eval = [&](int64_t step) {
+    if (!test) return;
+    auto t0 = Clock::now();
+    Evaluate(exec, forward_eval, *test, o.eval_batch, o.example_shape, &result.test_accuracy, &result.test_loss);
+    log << "eval  step " << step << "  test accuracy " << std::fixed << std::setprecision(4) << result.test_accuracy
+        << "  test loss " << result.test_loss << "  (" << Duration(Seconds(t0, Clock::now())) << ")\n"
+        << std::defaultfloat << std::flush;
+    if (metrics)
+      metrics << "{\"split\":\"test\",\"step\":" << step << ",\"accuracy\":" << Num(result.test_accuracy)
+              << ",\"loss\":" << Num(result.test_loss) << "}\n" << std::flush;
+  };
+
+  const auto start = Clock::now();
+  auto window_start = start;
+  int64_t window_steps = 0;
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    TensorMap in;
+    it.Next(&in["image"], &in["label"]);
+    auto t0 = Clock::now();
+    TensorMap out = exec.Step(in);
+    auto t1 = Clock::now();
+    double loss = out.at("loss").f32[0];
+    result.losses.push_back(loss);
+    if (!std::isfinite(loss)) throw Error(Str("loss became ", loss, " at step ", step, " (learning rate too high?)"));
+    ++window_steps;
+    if (metrics)
+      metrics << "{\"step\":" << step << ",\"loss\":" << Num(loss) << ",\"step_ms\":" << Num(Seconds(t0, t1) * 1e3)
+              << ",\"epoch\":" << it.epoch() << "}\n";
+    if (step % o.log_every == 0 || step == o.steps) {
+      auto now = Clock::now();
+      double rate = window_steps * o.batch / Seconds(window_start, now);
+      double elapsed = Seconds(start, now);
+      log << "step " << step << "/" << o.steps << "  loss " << std::fixed << std::setprecision(4) << loss
+          << "  " << std::setprecision(0) << rate << " ex/s  elapsed " << Duration(elapsed) << "  ETA "
+          << Duration(elapsed / step * (o.steps - step)) << "\n" << std::defaultfloat << std::flush;
+      window_start = now;
+      window_steps = 0;
+    }
+    if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps) eval(step);
+  }
+  result.examples_per_second = o.steps * o.batch / Seconds(start, Clock::now());
+  eval(o.steps);
+  if (!o.save.empty()) {
+    SaveCheckpoint(o.save, exec.LogicalState());
+    log << "saved checkpoint " << o.save << "\n";
+  }
+  return result;
+}
+
+}  // namespace shardstep::runtime

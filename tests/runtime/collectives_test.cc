@@ -1,0 +1,390 @@
+// Collectives conformance test: CheckCollectivesConformance(factory) runs against any Collectives
+// implementation (in-process here; MPI and the TPU mesh reuse it with their own factory).
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ir/error.h"
+#include "runtime/collectives.h"
+#include "runtime/inprocess_collectives.h"
+#include "runtime/replica_runner.h"
+
+namespace shardstep::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using Buffers = std::vector<std::vector<float>>;
+using CollectivesFactory = std::function<std::unique_ptr<Collectives>(int num_replicas)>;
+
+double SecondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+ReplicaGroup Iota(int64_t first, int64_t count) {
+  ReplicaGroup g;
+  for (int64_t i = 0; i < count; ++i) g.push_back(first + i);
+  return g;
+}
+
+// Mixed signs and magnitudes (1e-3 .. 1e3), so a different summation order gives different bits.
+std::vector<float> RandomData(uint64_t seed, int64_t n) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> mant(0.5f, 1.0f), expo(-3.0f, 3.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = (rng() & 1 ? -1.0f : 1.0f) * mant(rng) * std::pow(10.0f, expo(rng));
+  return v;
+}
+
+// The oracle: element-wise fold over `xs` in the given (group) order, mean divided once at the end.
+std::vector<float> SequentialFold(const std::vector<const std::vector<float>*>& xs, Reduction op) {
+  std::vector<float> out = *xs[0];
+  for (size_t p = 1; p < xs.size(); ++p) {
+    for (size_t j = 0; j < out.size(); ++j) {
+      const float x = (*xs[p])[j];
+      out[j] = op == Reduction::kMax ? std::max(out[j], x) : out[j] + x;
+    }
+  }
+  if (op == Reduction::kMean) {
+    for (float& x : out) x /= static_cast<float>(xs.size());
+  }
+  return out;
+}
+
+std::vector<float> SequentialFold(const Buffers& bufs, const ReplicaGroup& group, Reduction op) {
+  std::vector<const std::vector<float>*> xs;
+  for (int64_t r : group) xs.push_back(&bufs[r]);
+  return SequentialFold(xs, op);
+}
+
+// "" when the bits agree, else the first difference.
+std::string BitDiff(const std::vector<float>& got, const std::vector<float>& want) {
+  if (got.size() != want.size()) return Str("size ", got.size(), " != ", want.size());
+  for (size_t j = 0; j < got.size(); ++j) {
+    if (std::memcmp(&got[j], &want[j], sizeof(float)) != 0) return Str("element ", j, ": ", got[j], " != ", want[j]);
+  }
+  return "";
+}
+
+const Reduction kAllOps[] = {Reduction::kSum, Reduction::kMean, Reduction::kMax};
+
+void CheckCollectivesConformance(const CollectivesFactory& make) {
+  SECTION("all-reduce sum/mean/max equals a sequential fold in group order") {
+    for (int nrep : {1, 2, 3, 4, 8}) {
+      auto c = make(nrep);
+      const ReplicaGroup all = Iota(0, nrep);
+      for (Reduction op : kAllOps) {
+        for (int64_t n : {0, 1, 5, 1000, 4099}) {
+          Buffers in(nrep);
+          for (int r = 0; r < nrep; ++r) in[r] = RandomData(1000 * nrep + 10 * n + r, n);
+          Buffers out = in;
+          RunReplicas(nrep, c.get(), [&](int r) { c->AllReduce(r, all, out[r].data(), n, op); });
+          const std::vector<float> want = SequentialFold(in, all, op);
+          for (int r = 0; r < nrep; ++r) {
+            INFO("N=" << nrep << " n=" << n << " op=" << static_cast<int>(op) << " replica " << r);
+            CHECK(BitDiff(out[r], want) == "");
+          }
+        }
+      }
+    }
+  }
+
+  SECTION("all-reduce has the bits of reduce-scatter + all-gather, also for n not divisible by N") {
+    for (int nrep : {2, 3, 4, 8}) {
+      auto c = make(nrep);
+      const ReplicaGroup all = Iota(0, nrep);
+      for (Reduction op : kAllOps) {
+        for (int64_t m : {1, 7, 1001}) {
+          const int64_t chunk = (m + nrep - 1) / nrep;  // pad to chunk * N with zeros
+          Buffers in(nrep), reduced(nrep), scattered(nrep, std::vector<float>(chunk)),
+              gathered(nrep, std::vector<float>(chunk * nrep));
+          for (int r = 0; r < nrep; ++r) {
+            in[r] = RandomData(77 * nrep + m + r, m);
+            reduced[r] = in[r];
+            in[r].resize(chunk * nrep, 0.0f);
+          }
+          RunReplicas(nrep, c.get(), [&](int r) {
+            c->AllReduce(r, all, reduced[r].data(), m, op);
+            c->ReduceScatter(r, all, in[r].data(), scattered[r].data(), chunk, op);
+            c->AllGather(r, all, scattered[r].data(), gathered[r].data(), chunk);
+          });
+          std::vector<float> want = SequentialFold(in, all, op);
+          for (int r = 0; r < nrep; ++r) {
+            INFO("N=" << nrep << " m=" << m << " op=" << static_cast<int>(op) << " replica " << r);
+            CHECK(BitDiff(scattered[r], std::vector<float>(want.begin() + r * chunk, want.begin() + (r + 1) * chunk)) ==
+                  "");
+            CHECK(BitDiff(gathered[r], want) == "");
+            gathered[r].resize(m);
+            CHECK(BitDiff(reduced[r], gathered[r]) == "");
+          }
+        }
+      }
+    }
+  }
+
+  SECTION("all-gather concatenates in group order, broadcast copies the root") {
+    const int nrep = 5;
+    const int64_t n = 33;
+    auto c = make(nrep);
+    const ReplicaGroup all = Iota(0, nrep);
+    Buffers in(nrep), gathered(nrep, std::vector<float>(n * nrep));
+    for (int r = 0; r < nrep; ++r) in[r] = RandomData(500 + r, n);
+    for (int root = 0; root < nrep; ++root) {
+      Buffers data = in;
+      RunReplicas(nrep, c.get(), [&](int r) {
+        c->AllGather(r, all, in[r].data(), gathered[r].data(), n);
+        c->Broadcast(r, all, data[r].data(), n, root);
+      });
+      for (int r = 0; r < nrep; ++r) {
+        INFO("root " << root << " replica " << r);
+        CHECK(BitDiff(data[r], in[root]) == "");
+        for (int p = 0; p < nrep; ++p) {
+          CHECK(BitDiff(std::vector<float>(gathered[r].begin() + p * n, gathered[r].begin() + (p + 1) * n), in[p]) == "");
+        }
+      }
+    }
+  }
+
+  SECTION("barrier: writes before it are visible to every member after it") {
+    const int nrep = 6;
+    auto c = make(nrep);
+    const ReplicaGroup all = Iota(0, nrep);
+    for (int round = 0; round < 20; ++round) {
+      std::vector<int> before(nrep, 0), seen(nrep, 0);
+      RunReplicas(nrep, c.get(), [&](int r) {
+        std::this_thread::sleep_for(std::chrono::microseconds((r * 37 + round * 11) % 300));
+        before[r] = 1;
+        c->Barrier(r, all);
+        for (int q = 0; q < nrep; ++q) seen[r] += before[q];
+      });
+      for (int r = 0; r < nrep; ++r) CHECK(seen[r] == nrep);
+    }
+  }
+
+  SECTION("results are bit-identical whatever the thread timing") {
+    const int nrep = 8;
+    const int64_t n = 4097;
+    auto c = make(nrep);
+    const ReplicaGroup all = Iota(0, nrep);
+    Buffers in(nrep);
+    for (int r = 0; r < nrep; ++r) in[r] = RandomData(9000 + r, n);
+    const std::vector<float> want = SequentialFold(in, all, Reduction::kSum);
+    for (int run = 0; run < 15; ++run) {
+      Buffers out = in;
+      RunReplicas(nrep, c.get(), [&](int r) {
+        std::mt19937 rng(run * 100 + r);
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % 2000));
+        c->Barrier(r, all);  // vary who arrives last at the all-reduce, too
+        std::this_thread::sleep_for(std::chrono::microseconds(rng() % 2000));
+        c->AllReduce(r, all, out[r].data(), n, Reduction::kSum);
+      });
+      for (int r = 0; r < nrep; ++r) {
+        INFO("run " << run << " replica " << r);
+        CHECK(BitDiff(out[r], want) == "");
+      }
+    }
+  }
+
+  SECTION("disjoint replica groups run concurrently, each folded in its own group order") {
+    const int nrep = 8;
+    const int64_t n = 301;
+    auto c = make(nrep);
+    for (const std::vector<ReplicaGroup>& groups :
+         {std::vector<ReplicaGroup>{{0, 1, 2, 3}, {4, 5, 6, 7}}, std::vector<ReplicaGroup>{{6, 0, 4, 2}, {7, 5, 3, 1}}}) {
+      auto group_of = [&](int r) -> const ReplicaGroup& {
+        return std::find(groups[0].begin(), groups[0].end(), r) != groups[0].end() ? groups[0] : groups[1];
+      };
+      Buffers in(nrep);
+      for (int r = 0; r < nrep; ++r) in[r] = RandomData(4242 + r, n);
+      for (int step = 0; step < 10; ++step) {
+        Buffers out = in, scattered(nrep, std::vector<float>(n / 4 + 1)), padded(nrep);
+        RunReplicas(nrep, c.get(), [&](int r) {
+          std::mt19937 rng(step * 100 + r);
+          std::this_thread::sleep_for(std::chrono::microseconds(rng() % 1000));
+          c->AllReduce(r, group_of(r), out[r].data(), n, Reduction::kSum);
+          padded[r] = in[r];
+          padded[r].resize((n / 4 + 1) * 4, 0.0f);
+          c->ReduceScatter(r, group_of(r), padded[r].data(), scattered[r].data(), n / 4 + 1, Reduction::kMax);
+        });
+        for (const ReplicaGroup& g : groups) {
+          const std::vector<float> sum = SequentialFold(in, g, Reduction::kSum);
+          const std::vector<float> max = SequentialFold(padded, g, Reduction::kMax);
+          for (size_t p = 0; p < g.size(); ++p) {
+            INFO("group member " << g[p] << " step " << step);
+            CHECK(BitDiff(out[g[p]], sum) == "");
+            const int64_t k = n / 4 + 1;
+            CHECK(BitDiff(scattered[g[p]], std::vector<float>(max.begin() + p * k, max.begin() + (p + 1) * k)) == "");
+          }
+        }
+      }
+    }
+  }
+
+  SECTION("64 replica threads on few cores do 200 all-reduces") {
+    const int nrep = 64, steps = 200;
+    const int64_t n = 256;
+    auto c = make(nrep);
+    const ReplicaGroup all = Iota(0, nrep);
+    std::vector<int> wrong(nrep, 0);
+    const auto start = Clock::now();
+    RunReplicas(nrep, c.get(), [&](int r) {
+      std::vector<float> data(n);
+      for (int step = 0; step < steps; ++step) {
+        std::fill(data.begin(), data.end(), static_cast<float>(r + step));  // small integers: exact sums
+        c->AllReduce(r, all, data.data(), n, Reduction::kSum);
+        const float want = static_cast<float>(nrep * (nrep - 1) / 2 + nrep * step);
+        for (float x : data) wrong[r] += x != want;
+      }
+    });
+    const double seconds = SecondsSince(start);
+    INFO("64 x 200 all-reduces took " << seconds << " s");
+    for (int r = 0; r < nrep; ++r) CHECK(wrong[r] == 0);
+    CHECK(seconds < 60.0);  // blocking, not spinning: normally well under a second
+  }
+
+  SECTION("a failing replica stops the run with its own message while others wait in a collective") {
+    const int nrep = 8;
+    auto c = make(nrep);
+    const ReplicaGroup all = Iota(0, nrep), low = Iota(0, 4), high = Iota(4, 4);
+    std::atomic<int64_t> failed_at{0};
+    const auto start = Clock::now();
+    try {
+      RunReplicas(nrep, c.get(), [&](int r) {
+        std::vector<float> data(1000, 1.0f);
+        for (int step = 0;; ++step) {  // the others would loop forever without the abort
+          if (r == 5 && step == 20) {
+            failed_at = (Clock::now() - start).count();
+            throw Error("loss is NaN at step 20");
+          }
+          c->AllReduce(r, r < 4 ? low : high, data.data(), 1000, Reduction::kMean);
+          if (step >= 20) c->Barrier(r, all);  // replicas 0-3 also end up waiting for replica 5
+        }
+      });
+      FAIL("RunReplicas returned normally");
+    } catch (const Error& e) {
+      CHECK(std::string(e.what()) == "replica 5: loss is NaN at step 20");
+    }
+    const double after_failure = SecondsSince(start) - std::chrono::duration<double>(Clock::duration(failed_at)).count();
+    CHECK(after_failure < 1.0);
+    // The object stays aborted: every later call throws the same message.
+    CHECK_THROWS_WITH(c->Barrier(0, all), "replica 5: loss is NaN at step 20");
+  }
+
+  SECTION("an exception of any type is reported with its replica") {
+    const int nrep = 3;
+    auto c = make(nrep);
+    const ReplicaGroup all = Iota(0, nrep);
+    CHECK_THROWS_WITH(RunReplicas(nrep, c.get(),
+                                  [&](int r) {
+                                    if (r == 1) throw std::runtime_error("out of memory");
+                                    c->Barrier(r, all);
+                                  }),
+                      "replica 1: out of memory");
+  }
+
+  SECTION("one object serves many steps of mixed collectives") {
+    const int nrep = 4, steps = 300;
+    auto c = make(nrep);
+    const std::vector<ReplicaGroup> groupings[] = {{Iota(0, 4)}, {{0, 1}, {2, 3}}, {{3, 1}, {2, 0}}};
+    // Every replica derives every replica's input from (step, replica), so each checks its own result.
+    auto input = [](int step, int64_t r, int64_t n) { return RandomData(step * 131 + r, n); };
+    std::vector<int> wrong(nrep, 0);
+    RunReplicas(nrep, c.get(), [&](int r) {
+      for (int step = 0; step < steps; ++step) {
+        std::mt19937 plan(step);  // same plan on every replica
+        const int kind = plan() % 5;
+        const int64_t n = plan() % 200;
+        const Reduction op = kAllOps[plan() % 3];
+        const std::vector<ReplicaGroup>& grouping = groupings[plan() % 3];
+        const ReplicaGroup& g = std::find(grouping[0].begin(), grouping[0].end(), r) != grouping[0].end()
+                                    ? grouping[0]
+                                    : grouping[1];
+        const int64_t pos = std::find(g.begin(), g.end(), r) - g.begin();
+        const int64_t gs = static_cast<int64_t>(g.size());
+        Buffers ins;
+        for (int64_t m : g) ins.push_back(input(step, m, kind == 1 ? n * gs : n));
+        std::vector<const std::vector<float>*> xs;
+        for (const auto& x : ins) xs.push_back(&x);
+        std::vector<float> mine = ins[pos], got, want;
+        switch (kind) {
+          case 0:
+            c->AllReduce(r, g, mine.data(), n, op);
+            got = mine, want = SequentialFold(xs, op);
+            break;
+          case 1:
+            got.resize(n);
+            c->ReduceScatter(r, g, mine.data(), got.data(), n, op);
+            want = SequentialFold(xs, op);
+            want = std::vector<float>(want.begin() + pos * n, want.begin() + (pos + 1) * n);
+            break;
+          case 2:
+            got.resize(n * gs);
+            c->AllGather(r, g, mine.data(), got.data(), n);
+            for (const auto& x : ins) want.insert(want.end(), x.begin(), x.end());
+            break;
+          case 3:
+            c->Broadcast(r, g, mine.data(), n, step % gs);
+            got = mine, want = ins[step % gs];
+            break;
+          default:
+            c->Barrier(r, g);
+        }
+        wrong[r] += BitDiff(got, want) != "";
+      }
+    });
+    for (int r = 0; r < nrep; ++r) CHECK(wrong[r] == 0);
+  }
+}
+
+TEST_CASE("ParseReduction names sum, mean and max", "[collectives]") {
+  CHECK(ParseReduction("sum") == Reduction::kSum);
+  CHECK(ParseReduction("mean") == Reduction::kMean);
+  CHECK(ParseReduction("max") == Reduction::kMax);
+  CHECK_THROWS_AS(ParseReduction("avg"), Error);
+  CHECK_THROWS_WITH(ParseReduction("avg"), "unknown reduction 'avg' (expected sum, mean or max)");
+}
+
+TEST_CASE("InProcessCollectives passes the Collectives conformance test", "[collectives]") {
+  CheckCollectivesConformance([](int n) { return std::make_unique<InProcessCollectives>(n); });
+}
+
+TEST_CASE("InProcessCollectives reports misuse instead of hanging", "[collectives]") {
+  SECTION("members disagree on the element count") {
+    InProcessCollectives c(2);
+    std::vector<float> a(5, 1.0f), b(5, 1.0f);
+    CHECK_THROWS_WITH(RunReplicas(2, &c,
+                                  [&](int r) { c.AllReduce(r, {0, 1}, (r ? b : a).data(), r ? 5 : 4, Reduction::kSum); }),
+                      Catch::Contains("collective mismatch in replica group {0,1}") &&
+                          Catch::Contains("AllReduce(n=4, sum)") && Catch::Contains("AllReduce(n=5, sum)"));
+  }
+  SECTION("members call different collectives") {
+    InProcessCollectives c(2);
+    std::vector<float> a(4, 1.0f);
+    CHECK_THROWS_WITH(RunReplicas(2, &c,
+                                  [&](int r) {
+                                    if (r == 0) c.Barrier(r, {0, 1});
+                                    else c.Broadcast(r, {0, 1}, a.data(), 4, 0);
+                                  }),
+                      Catch::Contains("Barrier(n=0)") && Catch::Contains("Broadcast(n=4, root=0)"));
+  }
+  SECTION("bad groups and arguments") {
+    InProcessCollectives c(4);
+    float x = 0;
+    CHECK_THROWS_WITH(c.Barrier(0, {1, 2}), "replica 0 is not in replica group {1,2}");
+    CHECK_THROWS_WITH(c.Barrier(0, {0, 0}), Catch::Contains("invalid replica group {0,0}"));
+    CHECK_THROWS_WITH(c.Barrier(0, {0, 4}), Catch::Contains("invalid replica group {0,4}"));
+    CHECK_THROWS_WITH(c.Broadcast(0, {0}, &x, 1, 1), Catch::Contains("root position 1"));
+    CHECK_THROWS_WITH(c.AllReduce(0, {0}, &x, -1, Reduction::kSum), Catch::Contains("negative element count"));
+    CHECK_THROWS_AS(InProcessCollectives(0), Error);
+    CHECK_FALSE(c.aborted());  // argument errors do not abort the object
+  }
+}
+
+}  // namespace
+}  // namespace shardstep::runtime
