@@ -1,6 +1,7 @@
 // The `shardstep` command: train a built-in model, or compile one and print any pipeline stage.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 
@@ -150,8 +151,10 @@ int RunTrain(const TrainFlags& t) {
     train = runtime::LoadFashionMnist(t.data_dir, true);
     test = runtime::LoadFashionMnist(t.data_dir, false);
   } else {
-    train = runtime::SyntheticClassification(8192, 1, 28, 28, 10, t.program.seed);
-    test = runtime::SyntheticClassification(2000, 1, 28, 28, 10, t.program.seed + 1);
+    // One distribution, split into train and test.
+    runtime::Dataset all = runtime::SyntheticClassification(10000, 1, 28, 28, 10, t.program.seed);
+    train = runtime::TakeExamples(all, 0, 8000);
+    test = runtime::TakeExamples(all, 8000, 10000);
   }
 
   int64_t params = 0;
@@ -219,7 +222,9 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--log-every", train.log_every, "progress line every N steps")->check(CLI::PositiveNumber);
   train_cmd->add_option("--eval-every", train.eval_every, "evaluate every N steps (0: at the end)")->check(CLI::NonNegativeNumber);
   train_cmd->add_option("--eval-batch", train.eval_batch, "evaluation batch (divides 10000)")->check(CLI::PositiveNumber);
-  train_cmd->set_config("--config", "", "read flags from a config file (TOML/INI: key = value)");
+  // Scripted runs: `shardstep train --config run.toml` reads the [train] table of a TOML/INI file;
+  // flags given on the command line win over the file.
+  app.set_config("--config", "", "read flags from a config file ([train] table: key = value)");
 
   ProgramFlags compile;
   std::string emit = "ir", out_path;
@@ -228,8 +233,26 @@ int main(int argc, char** argv) {
   compile_cmd->add_option("--emit", emit, "ir|grad|opt")->check(CLI::IsMember({"ir", "grad", "opt"}))->capture_default_str();
   compile_cmd->add_option("-o,--output", out_path, "write to this file instead of stdout");
 
+  // CLI11 reads a config file at the top level; let users write it after the subcommand too.
+  std::vector<std::string> args(argv + 1, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    if (args[i] == "--config" && i + 1 < args.size()) {
+      std::string file = args[i + 1];
+      args.erase(args.begin() + i, args.begin() + i + 2);
+      args.insert(args.begin(), {"--config", file});
+      break;
+    }
+    if (args[i].rfind("--config=", 0) == 0) {
+      std::string opt = args[i];
+      args.erase(args.begin() + i);
+      args.insert(args.begin(), opt);
+      break;
+    }
+  }
+  std::reverse(args.begin(), args.end());  // CLI11 takes the arguments in reverse order
+
   try {
-    app.parse(argc, argv);
+    app.parse(args);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

@@ -3,7 +3,6 @@
 
 #include <cctype>
 #include <charconv>
-#include <cmath>
 #include <cstdio>
 #include <limits>
 
@@ -110,7 +109,8 @@ class Parser {
     in.type = ParseType();
 
     int arity = OpArity(in.op), n = static_cast<int>(in.operands.size());
-    if (arity >= 0 && n != arity) Fail(op, Str(op.text, " takes ", arity, " operand", arity == 1 ? "" : "s", ", got ", n));
+    if (arity >= 0 && n != arity)
+      Fail(op, Str(op.text, " takes ", arity, " operand", arity == 1 ? "" : "s", ", got ", n));
     if (arity < 0 && n < 1) Fail(op, Str(op.text, " takes at least 1 operand, got 0"));
     std::vector<TensorType> operand_types;
     for (ValueId o : in.operands) operand_types.push_back(m_.type(o));
@@ -143,7 +143,8 @@ class Parser {
     Take();  // {
     while (!IsPunct("}")) {
       Token key = tok_;
-      if (key.kind != Tok::kIdent && key.kind != Tok::kString) Fail(key, "expected an attribute name, found " + Found(key));
+      if (key.kind != Tok::kIdent && key.kind != Tok::kString)
+        Fail(key, "expected an attribute name, found " + Found(key));
       Take();
       if (attrs->count(key.text)) Fail(key, "duplicate attribute '" + key.text + "'");
       Expect("=", "after attribute name '" + key.text + "'");
@@ -252,7 +253,8 @@ class Parser {
   ValueId ValueNumber(const Token& t) {
     int64_t v = -1;
     auto [end, ec] = std::from_chars(t.text.data() + 1, t.text.data() + t.text.size(), v);
-    if (ec != std::errc() || v > std::numeric_limits<ValueId>::max()) Fail(t, "value number " + t.text + " out of range");
+    if (ec != std::errc() || v > std::numeric_limits<ValueId>::max())
+      Fail(t, "value number " + t.text + " out of range");
     return static_cast<ValueId>(v);
   }
 

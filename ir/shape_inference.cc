@@ -178,6 +178,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
 
     case OpCode::kBroadcast: {
       Shape shape = c.Ints("shape");
+      for (int64_t d : shape) c.Require(d >= 0, Str("negative dimension in ", ShapeToString(shape)));
       IntList dims = c.Ints("dims");
       c.Require(dims.size() == in[0].shape.size(),
                 Str("dims ", ShapeToString(dims), " must map each of the operand's ", in[0].rank(), " dimensions"));
@@ -192,6 +193,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
     }
     case OpCode::kReshape: {
       Shape shape = c.Ints("shape");
+      for (int64_t d : shape) c.Require(d >= 0, Str("negative dimension in ", ShapeToString(shape)));
       c.Require(NumElements(shape) == in[0].elements(),
                 Str("cannot reshape ", in[0].elements(), " elements to ", ShapeToString(shape)));
       return {in[0].dtype, shape};
@@ -268,6 +270,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.RequireRank(0, 4);
       c.RequireRank(1, 4);
       IntList s = c.Pair("stride", IntList{1, 1}), p = c.Pair("padding", IntList{0, 0});
+      c.Require(s[0] > 0 && s[1] > 0 && p[0] >= 0 && p[1] >= 0, "stride must be positive and padding non-negative");
       const Shape &x = in[0].shape, &w = in[1].shape;
       c.Require(x[1] == w[1], Str("input channels ", x[1], " do not match filter input channels ", w[1]));
       int64_t oh = WindowOut(x[2], w[2], s[0], p[0]), ow = WindowOut(x[3], w[3], s[1], p[1]);
@@ -279,6 +282,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.RequireRank(1, 4);
       Shape x = c.Ints("input_shape");
       IntList s = c.Pair("stride", IntList{1, 1}), p = c.Pair("padding", IntList{0, 0});
+      c.Require(s[0] > 0 && s[1] > 0 && p[0] >= 0 && p[1] >= 0, "stride must be positive and padding non-negative");
       const Shape &dy = in[0].shape, &w = in[1].shape;
       c.Require(x.size() == 4 && dy[0] == x[0] && dy[1] == w[0] && x[1] == w[1] &&
                     dy[2] == WindowOut(x[2], w[2], s[0], p[0]) && dy[3] == WindowOut(x[3], w[3], s[1], p[1]),
@@ -290,6 +294,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.RequireRank(1, 4);
       Shape w = c.Ints("filter_shape");
       IntList s = c.Pair("stride", IntList{1, 1}), p = c.Pair("padding", IntList{0, 0});
+      c.Require(s[0] > 0 && s[1] > 0 && p[0] >= 0 && p[1] >= 0, "stride must be positive and padding non-negative");
       const Shape &x = in[0].shape, &dy = in[1].shape;
       c.Require(w.size() == 4 && dy[0] == x[0] && dy[1] == w[0] && x[1] == w[1] &&
                     dy[2] == WindowOut(x[2], w[2], s[0], p[0]) && dy[3] == WindowOut(x[3], w[3], s[1], p[1]),
@@ -300,6 +305,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
     case OpCode::kAvgPool: {
       c.RequireRank(0, 4);
       IntList k = c.Pair("window"), s = c.Pair("stride", k);
+      c.Require(k[0] > 0 && k[1] > 0 && s[0] > 0 && s[1] > 0, "window and stride must be positive");
       const Shape& x = in[0].shape;
       int64_t oh = WindowOut(x[2], k[0], s[0], 0), ow = WindowOut(x[3], k[1], s[1], 0);
       c.Require(oh > 0 && ow > 0 && s[0] > 0 && s[1] > 0, "window larger than input, or bad stride");
@@ -309,6 +315,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.RequireRank(0, 4);
       c.RequireRank(1, 4);
       IntList k = c.Pair("window"), s = c.Pair("stride", k);
+      c.Require(k[0] > 0 && k[1] > 0 && s[0] > 0 && s[1] > 0, "window and stride must be positive");
       const Shape &x = in[0].shape, &dy = in[1].shape;
       c.Require(dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
                 "dy does not match the pooled shape of x");
@@ -317,6 +324,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
     case OpCode::kAvgPoolGrad: {  // (dy) -> dx
       c.RequireRank(0, 4);
       IntList k = c.Pair("window"), s = c.Pair("stride", k);
+      c.Require(k[0] > 0 && k[1] > 0 && s[0] > 0 && s[1] > 0, "window and stride must be positive");
       Shape x = c.Ints("input_shape");
       const Shape& dy = in[0].shape;
       c.Require(x.size() == 4 && dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
@@ -342,6 +350,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
     case OpCode::kScatterAdd: {  // (indices s32[...], updates [indices..., D...]) {rows=V} -> [V, D...]
       c.Require(in[0].dtype == DType::kS32, "indices must be s32");
       int64_t rows = c.Int("rows");
+      c.Require(rows >= 0, "rows must be non-negative");
       const Shape &idx = in[0].shape, &up = in[1].shape;
       c.Require(up.size() >= idx.size() && std::equal(idx.begin(), idx.end(), up.begin()),
                 "updates must start with the indices' shape");

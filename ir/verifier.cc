@@ -14,7 +14,9 @@ std::string Where(const Module& m, ValueId id) { return Str("%", id, " (", OpNam
 
 void VerifyInstr(const Module& m, ValueId id, std::set<std::string>* variables, std::set<std::string>* inputs) {
   const Instr& in = m.instrs[id];
-  auto fail = [&](const std::string& why) { throw Error(Str("module ", PrintName(m.name), ": ", Where(m, id), ": ", why)); };
+  auto fail = [&](const std::string& why) {
+    throw Error(Str("module ", PrintName(m.name), ": ", Where(m, id), ": ", why));
+  };
   for (ValueId o : in.operands)
     if (o < 0 || o >= id) fail(Str("operand %", o, " is not defined before use"));
   const int arity = OpArity(in.op), n = static_cast<int>(in.operands.size());
@@ -34,7 +36,8 @@ void VerifyInstr(const Module& m, ValueId id, std::set<std::string>* variables, 
   } catch (const Error& e) {
     fail(e.what());
   }
-  if (inferred != in.type) fail(Str("recorded type ", in.type.ToString(), " but its operands give ", inferred.ToString()));
+  if (inferred != in.type)
+    fail(Str("recorded type ", in.type.ToString(), " but its operands give ", inferred.ToString()));
   if (HasProperty(in.op, kCollective) && in.Has("groups")) {  // ReplicaGroups() relies on this shape
     const AttrValue& g = in.attrs.at("groups");
     auto* flat = std::get_if<IntList>(&g);
@@ -47,7 +50,9 @@ void VerifyInstr(const Module& m, ValueId id, std::set<std::string>* variables, 
 void VerifyUpdates(const Module& m, const std::vector<std::pair<ValueId, ValueId>>& entries, const char* what) {
   std::set<ValueId> seen;
   for (const auto& [var, v] : entries) {
-    auto fail = [&](const std::string& why) { throw Error(Str("module ", PrintName(m.name), ": ", what, " %", var, " = %", v, ": ", why)); };
+    auto fail = [&](const std::string& why) {
+      throw Error(Str("module ", PrintName(m.name), ": ", what, " %", var, " = %", v, ": ", why));
+    };
     if (var < 0 || var >= m.size() || m.instrs[var].op != OpCode::kVariable)
       fail(Str("target %", var, " is not a variable"));
     if (v < 0 || v >= m.size()) fail(Str("value %", v, " is not defined"));
@@ -62,7 +67,8 @@ void VerifyUpdates(const Module& m, const std::vector<std::pair<ValueId, ValueId
 }  // namespace
 
 void Verify(const Module& m) {
-  if (m.num_replicas < 1) throw Error(Str("module ", PrintName(m.name), ": replicas=", m.num_replicas, " must be at least 1"));
+  if (m.num_replicas < 1)
+    throw Error(Str("module ", PrintName(m.name), ": replicas=", m.num_replicas, " must be at least 1"));
   std::set<std::string> variables, inputs;
   for (ValueId id = 0; id < m.size(); ++id) VerifyInstr(m, id, &variables, &inputs);
   VerifyUpdates(m, m.gradients, "gradient");

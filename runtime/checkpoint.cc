@@ -243,7 +243,7 @@ std::map<std::string, Tensor> LoadCheckpoint(const std::string& path,
   std::map<std::string, Tensor> out;
   for (const Entry& e : entries) {
     Tensor t(e.type);
-    std::memcpy(t.raw(), data + e.begin, e.end - e.begin);
+    if (e.end > e.begin) std::memcpy(t.raw(), data + e.begin, e.end - e.begin);
     out.emplace(e.name, std::move(t));
   }
   if (metadata) *metadata = std::move(meta);

@@ -254,3 +254,17 @@ void BatchIterator::Next(Tensor* images, Tensor* labels) {
 }
 
 }  // namespace shardstep::runtime
+
+namespace shardstep::runtime {
+
+Dataset TakeExamples(const Dataset& d, int64_t begin, int64_t end) {
+  if (begin < 0 || end > d.size() || begin > end)
+    throw Error(Str("TakeExamples: range [", begin, ",", end, ") outside a dataset of ", d.size()));
+  const int64_t elems = d.images.elements() / std::max<int64_t>(d.size(), 1);
+  ir::Shape shape = d.images.shape();
+  shape[0] = end - begin;
+  return {Tensor::F32(shape, std::vector<float>(d.images.f32.begin() + begin * elems, d.images.f32.begin() + end * elems)),
+          Tensor::S32({end - begin}, std::vector<int32_t>(d.labels.s32.begin() + begin, d.labels.s32.begin() + end))};
+}
+
+}  // namespace shardstep::runtime

@@ -34,6 +34,9 @@ Dataset SyntheticClassification(int64_t n, int channels, int h, int w, int class
 // Returns `t` with a new shape of the same element count (throws shardstep::Error otherwise).
 Tensor ReshapeTensor(Tensor t, ir::Shape shape);
 
+// Examples [begin, end) of `d` (e.g. to split one synthetic set into train and test).
+Dataset TakeExamples(const Dataset& d, int64_t begin, int64_t end);
+
 // Hands out fixed-size batches forever. With shuffle, epoch e visits the examples in the order of a
 // Fisher-Yates shuffle driven by splitmix64(seed + e), so the order depends only on (seed, epoch),
 // never on the standard library. Without shuffle, batches are in file order. The incomplete last

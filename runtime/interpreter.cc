@@ -6,7 +6,8 @@
 //    toward zero and saturates (NaN -> 0).
 //  - reduce_sum/mean accumulate in double in increasing input index order; reduce_max, max_pool take
 //    the first maximum (a NaN counts as a maximum).
-//  - conv2d = im2col + sgemm on chunks of images whose size depends only on the shapes.
+//  - conv2d = im2col + sgemm per image; the filter gradient sums fixed groups of images, then adds the
+//    groups in order.
 #include "runtime/interpreter.h"
 
 #include <cblas.h>
@@ -34,8 +35,7 @@ using ir::TensorType;
 using Strides = std::vector<int64_t>;
 using Operands = std::vector<const Tensor*>;
 
-constexpr int64_t kGrain = 1 << 14;           // elements per parallel task
-constexpr int64_t kColBudget = 8 << 20;       // floats in one im2col buffer (32 MiB)
+constexpr int64_t kGrain = 1 << 14;  // elements per parallel task
 
 // ---- Typed access and parallel loops ----
 
@@ -72,14 +72,22 @@ void ParallelRange(int64_t n, int64_t grain, F body) {
                     [&](const tbb::blocked_range<int64_t>& r) { body(r.begin(), r.end()); });
 }
 
+// o[i] = f(i) for i in [lo, hi). The fixed-length inner loop over a __restrict output lets -O2
+// vectorise it (branch-free selects matter: relu on random data is 10x faster).
+template <typename T, typename F>
+void Fill(T* __restrict o, int64_t lo, int64_t hi, F& f) {
+  int64_t i = lo;
+  for (; i + 16 <= hi; i += 16)
+    for (int k = 0; k < 16; ++k) o[i + k] = f(i + k);
+  for (; i < hi; ++i) o[i] = f(i);
+}
+
 // A tensor of `type` whose element i is f(i).
 template <typename T, typename F>
 Tensor Generate(const TensorType& type, F f) {
   Tensor out(type);
   T* o = Data<T>(out);
-  ParallelRange(out.elements(), kGrain, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) o[i] = f(i);
-  });
+  ParallelRange(out.elements(), kGrain, [&](int64_t lo, int64_t hi) { Fill(o, lo, hi, f); });
   return out;
 }
 
@@ -99,10 +107,11 @@ float NegOf(float a) { return -a; }
 int32_t NegOf(int32_t a) { return Wrap(-int64_t{a}); }
 float AbsOf(float a) { return std::fabs(a); }
 int32_t AbsOf(int32_t a) { return Wrap(a < 0 ? -int64_t{a} : a); }
+// NaN wins. Non-short-circuit | keeps these branch-free.
 template <typename T>
-T MaxOf(T a, T b) { return (a > b || a != a) ? a : b; }  // NaN wins
+T MaxOf(T a, T b) { return (a > b) | (a != a) ? a : b; }
 template <typename T>
-T MinOf(T a, T b) { return (a < b || a != a) ? a : b; }
+T MinOf(T a, T b) { return (a < b) | (a != a) ? a : b; }
 
 int32_t ToS32(double v) {  // truncation toward zero, saturating
   if (std::isnan(v)) return 0;
@@ -324,6 +333,11 @@ Tensor Reduce(const Instr& in, const Tensor& a) {
 }
 
 // ---- Matmul and convolution (BLAS) ----
+//
+// BLAS runs single-threaded (set once, process-wide): OpenBLAS's own workers busy-wait between calls
+// and would fight TBB's workers and the replica threads for the cores. We parallelise instead over
+// independent blocks (rows of a matmul, images of a convolution) whose boundaries depend only on the
+// shapes, so results do not depend on the number of threads.
 
 int BlasInt(int64_t v) {
   if (v > std::numeric_limits<int>::max()) throw Error(Str("dimension ", v, " too large for BLAS"));
@@ -333,6 +347,8 @@ int BlasInt(int64_t v) {
 // Row-major C[m,n] = op(A)[m,k] * op(B)[k,n] + beta * C.
 void Sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
            int64_t ldb, float beta, float* c, int64_t ldc) {
+  static const bool single_threaded = (openblas_set_num_threads(1), true);
+  (void)single_threaded;
   if (m == 0 || n == 0) return;
   if (k == 0) {
     if (beta == 0) std::fill(c, c + m * ldc, 0.0f);
@@ -347,7 +363,16 @@ Tensor Matmul(const Instr& in, const Tensor& a, const Tensor& b) {
   const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
   Tensor out(in.type);
   const int64_t m = in.type.shape[0], n = in.type.shape[1], k = ta ? a.shape()[0] : a.shape()[1];
-  Sgemm(ta, tb, m, n, k, a.f32.data(), a.shape()[1], b.f32.data(), b.shape()[1], 0.0f, out.f32.data(), n);
+  const int64_t lda = a.shape()[1];
+  // Blocks of rows of C, each one sgemm: about 4M multiply-adds per block.
+  const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(n * k, 1));
+  ParallelRange((m + rows - 1) / rows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      const int64_t r0 = blk * rows, mb = std::min(rows, m - r0);
+      const float* a0 = a.f32.data() + (ta ? r0 : r0 * lda);  // row r0 of op(A)
+      Sgemm(ta, tb, mb, n, k, a0, lda, b.f32.data(), b.shape()[1], 0.0f, out.f32.data() + r0 * n, n);
+    }
+  });
   return out;
 }
 
@@ -358,8 +383,6 @@ struct ConvGeometry {
   int64_t oh, ow;          // output spatial size
   int64_t k() const { return c * kh * kw; }  // im2col rows
   int64_t p() const { return oh * ow; }      // output positions per image
-  // Images per im2col chunk: depends only on the shapes, so results do not depend on anything else.
-  int64_t chunk() const { return std::max<int64_t>(1, std::min(n, kColBudget / std::max<int64_t>(k() * p(), 1))); }
 };
 
 ConvGeometry Geometry(const Shape& x, const Shape& w, const Instr& in) {
@@ -370,116 +393,93 @@ ConvGeometry Geometry(const Shape& x, const Shape& w, const Instr& in) {
   return g;
 }
 
-// col[(c,i,j), (n-n0)*P + p] = zero-padded x[n, c, oh*sh - ph + i, ow*sw - pw + j] for images [n0, n0+nb).
-void Im2Col(const float* x, const ConvGeometry& g, int64_t n0, int64_t nb, float* col) {
-  const int64_t cols = nb * g.p();
-  ParallelRange(nb * g.c, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t job = lo; job < hi; ++job) {
-      const int64_t n = job / g.c, c = job % g.c;
-      const float* plane = x + ((n0 + n) * g.c + c) * g.h * g.w;
-      for (int64_t i = 0; i < g.kh; ++i)
-        for (int64_t j = 0; j < g.kw; ++j) {
-          float* row = col + ((c * g.kh + i) * g.kw + j) * cols + n * g.p();
-          for (int64_t y = 0; y < g.oh; ++y) {
-            const int64_t iy = y * g.sh - g.ph + i;
-            float* dst = row + y * g.ow;
-            if (iy < 0 || iy >= g.h) {
-              std::fill(dst, dst + g.ow, 0.0f);
-              continue;
-            }
-            for (int64_t xx = 0; xx < g.ow; ++xx) {
-              const int64_t ix = xx * g.sw - g.pw + j;
-              dst[xx] = (ix >= 0 && ix < g.w) ? plane[iy * g.w + ix] : 0.0f;
-            }
+// One image at a time, so the im2col matrix stays in cache and the sgemm result [O, P] is already the
+// image's slice of an NCHW tensor.
+
+// col[(c,i,j), p] = zero-padded x[c, oh*sh - ph + i, ow*sw - pw + j] for one image x [C, H, W].
+void Im2Col(const float* x, const ConvGeometry& g, float* col) {
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t i = 0; i < g.kh; ++i)
+      for (int64_t j = 0; j < g.kw; ++j) {
+        float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
+        for (int64_t y = 0; y < g.oh; ++y) {
+          const int64_t iy = y * g.sh - g.ph + i;
+          float* dst = row + y * g.ow;
+          for (int64_t xx = 0; xx < g.ow; ++xx) {
+            const int64_t ix = xx * g.sw - g.pw + j;
+            dst[xx] = (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w) ? x[(c * g.h + iy) * g.w + ix] : 0.0f;
           }
         }
-    }
-  });
+      }
 }
 
-// The adjoint of Im2Col: dx[n, c, ...] += col[...]; each (image, channel) plane sums in a fixed order.
-void Col2Im(const float* col, const ConvGeometry& g, int64_t n0, int64_t nb, float* dx) {
-  const int64_t cols = nb * g.p();
-  ParallelRange(nb * g.c, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t job = lo; job < hi; ++job) {
-      const int64_t n = job / g.c, c = job % g.c;
-      float* plane = dx + ((n0 + n) * g.c + c) * g.h * g.w;
-      for (int64_t i = 0; i < g.kh; ++i)
-        for (int64_t j = 0; j < g.kw; ++j) {
-          const float* row = col + ((c * g.kh + i) * g.kw + j) * cols + n * g.p();
-          for (int64_t y = 0; y < g.oh; ++y) {
-            const int64_t iy = y * g.sh - g.ph + i;
-            if (iy < 0 || iy >= g.h) continue;
-            for (int64_t xx = 0; xx < g.ow; ++xx) {
-              const int64_t ix = xx * g.sw - g.pw + j;
-              if (ix >= 0 && ix < g.w) plane[iy * g.w + ix] += row[y * g.ow + xx];
-            }
+// The adjoint of Im2Col: dx += col2im(col), in a fixed order.
+void Col2Im(const float* col, const ConvGeometry& g, float* dx) {
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t i = 0; i < g.kh; ++i)
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
+        for (int64_t y = 0; y < g.oh; ++y) {
+          const int64_t iy = y * g.sh - g.ph + i;
+          if (iy < 0 || iy >= g.h) continue;
+          for (int64_t xx = 0; xx < g.ow; ++xx) {
+            const int64_t ix = xx * g.sw - g.pw + j;
+            if (ix >= 0 && ix < g.w) dx[(c * g.h + iy) * g.w + ix] += row[y * g.ow + xx];
           }
         }
-    }
-  });
-}
-
-// [N, O, P] images [n0, n0+nb) <-> [O, nb*P] (the layout sgemm produces and consumes).
-void NopToOnp(const float* src, const ConvGeometry& g, int64_t n0, int64_t nb, float* dst) {
-  for (int64_t n = 0; n < nb; ++n)
-    for (int64_t o = 0; o < g.o; ++o)
-      std::copy_n(src + ((n0 + n) * g.o + o) * g.p(), g.p(), dst + o * nb * g.p() + n * g.p());
-}
-void OnpToNop(const float* src, const ConvGeometry& g, int64_t n0, int64_t nb, float* dst) {
-  for (int64_t n = 0; n < nb; ++n)
-    for (int64_t o = 0; o < g.o; ++o)
-      std::copy_n(src + o * nb * g.p() + n * g.p(), g.p(), dst + ((n0 + n) * g.o + o) * g.p());
-}
-
-// Calls f(n0, nb, col) for each chunk of images, col holding their im2col matrix when x != nullptr.
-template <typename F>
-void ForEachChunk(const ConvGeometry& g, const float* x, F f) {
-  const int64_t chunk = g.chunk();
-  std::vector<float> col(g.k() * chunk * g.p());
-  for (int64_t n0 = 0; n0 < g.n; n0 += chunk) {
-    const int64_t nb = std::min(chunk, g.n - n0);
-    if (x) Im2Col(x, g, n0, nb, col.data());
-    f(n0, nb, col.data());
-  }
+      }
 }
 
 // y[n,o] = sum_{c,i,j} w[o,c,i,j] * x[n, c, oh*sh - ph + i, ow*sw - pw + j]   (x zero-padded)
 Tensor Conv2d(const Instr& in, const Tensor& x, const Tensor& w) {
   const ConvGeometry g = Geometry(x.shape(), w.shape(), in);
   Tensor y(in.type);
-  std::vector<float> out(g.o * g.chunk() * g.p());
-  ForEachChunk(g, x.f32.data(), [&](int64_t n0, int64_t nb, const float* col) {
-    Sgemm(false, false, g.o, nb * g.p(), g.k(), w.f32.data(), g.k(), col, nb * g.p(), 0.0f, out.data(), nb * g.p());
-    OnpToNop(out.data(), g, n0, nb, y.f32.data());
+  ParallelRange(g.n, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> col(g.k() * g.p());
+    for (int64_t n = lo; n < hi; ++n) {
+      Im2Col(x.f32.data() + n * g.c * g.h * g.w, g, col.data());
+      Sgemm(false, false, g.o, g.p(), g.k(), w.f32.data(), g.k(), col.data(), g.p(), 0.0f,
+            y.f32.data() + n * g.o * g.p(), g.p());
+    }
   });
   return y;
 }
 
-// dx = col2im(w^T dy).
+// dx[n] = col2im(w^T dy[n]).
 Tensor Conv2dInputGrad(const Instr& in, const Tensor& dy, const Tensor& w) {
   const ConvGeometry g = Geometry(in.type.shape, w.shape(), in);
   Tensor dx(in.type);
-  std::vector<float> dy2(g.o * g.chunk() * g.p()), dcol(g.k() * g.chunk() * g.p());
-  ForEachChunk(g, nullptr, [&](int64_t n0, int64_t nb, const float*) {
-    NopToOnp(dy.f32.data(), g, n0, nb, dy2.data());
-    Sgemm(true, false, g.k(), nb * g.p(), g.o, w.f32.data(), g.k(), dy2.data(), nb * g.p(), 0.0f, dcol.data(),
-          nb * g.p());
-    Col2Im(dcol.data(), g, n0, nb, dx.f32.data());
+  ParallelRange(g.n, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> dcol(g.k() * g.p());
+    for (int64_t n = lo; n < hi; ++n) {
+      Sgemm(true, false, g.k(), g.p(), g.o, w.f32.data(), g.k(), dy.f32.data() + n * g.o * g.p(), g.p(), 0.0f,
+            dcol.data(), g.p());
+      Col2Im(dcol.data(), g, dx.f32.data() + n * g.c * g.h * g.w);
+    }
   });
   return dx;
 }
 
-// dw = sum over chunks of dy col^T.
+// dw = sum_n dy[n] im2col(x[n])^T. The images are split into kFilterGradGroups fixed groups (summed
+// in parallel, each in image order), then the groups' sums are added in group order.
+constexpr int64_t kFilterGradGroups = 8;
+
 Tensor Conv2dFilterGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
   const ConvGeometry g = Geometry(x.shape(), in.type.shape, in);
   Tensor dw(in.type);
-  std::vector<float> dy2(g.o * g.chunk() * g.p());
-  ForEachChunk(g, x.f32.data(), [&](int64_t n0, int64_t nb, const float* col) {
-    NopToOnp(dy.f32.data(), g, n0, nb, dy2.data());
-    Sgemm(false, true, g.o, g.k(), nb * g.p(), dy2.data(), nb * g.p(), col, nb * g.p(), n0 == 0 ? 0.0f : 1.0f,
-          dw.f32.data(), g.k());
+  const int64_t per_group = (g.n + kFilterGradGroups - 1) / kFilterGradGroups;
+  std::vector<std::vector<float>> partial(kFilterGradGroups, std::vector<float>(dw.elements()));
+  ParallelRange(kFilterGradGroups, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> col(g.k() * g.p());
+    for (int64_t group = lo; group < hi; ++group)
+      for (int64_t n = group * per_group; n < std::min(g.n, (group + 1) * per_group); ++n) {
+        Im2Col(x.f32.data() + n * g.c * g.h * g.w, g, col.data());
+        Sgemm(false, true, g.o, g.k(), g.p(), dy.f32.data() + n * g.o * g.p(), g.p(), col.data(), g.p(),
+              n == group * per_group ? 0.0f : 1.0f, partial[group].data(), g.k());
+      }
   });
+  for (const auto& p : partial)
+    for (int64_t j = 0; j < dw.elements(); ++j) dw.f32[j] += p[j];
   return dw;
 }
 
@@ -507,12 +507,15 @@ void ForEachWindow(const PoolGeometry& g, F f) {
 }
 
 // Offset (from the window origin) of the first maximum of a window; a NaN counts as a maximum.
+// Branch-free (a mask, not a conditional): pooling inputs look random, so a branch would mispredict.
 int64_t ArgMax(const float* v, const PoolGeometry& g) {
   int64_t best = 0;
   for (int64_t i = 0; i < g.kh; ++i)
     for (int64_t j = 0; j < g.kw; ++j) {
       const int64_t at = i * g.w + j;
-      if (v[at] > v[best] || (v[at] != v[at] && v[best] == v[best])) best = at;
+      const float c = v[at], b = v[best];
+      const int64_t take = (c > b) | ((c != c) & (b == b));
+      best ^= (best ^ at) & -take;
     }
   return best;
 }
@@ -684,6 +687,13 @@ Tensor Splat(const Instr& in) {
 
 // ---- The op switch ----
 
+// Shape inference does not check the dtype of convolution and pooling operands; these kernels read f32.
+const Operands& F32Only(const Operands& x) {
+  for (const Tensor* t : x)
+    if (t->dtype() != DType::kF32) throw Error(Str("operands must be f32, got ", t->type.ToString()));
+  return x;
+}
+
 Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
   switch (in.op) {
     case OpCode::kVariable: return Lookup(ctx.variables, "variable", in);
@@ -700,7 +710,7 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kSin: return UnaryF32(in, *x[0], [](float a) { return std::sin(a); });
     case OpCode::kCos: return UnaryF32(in, *x[0], [](float a) { return std::cos(a); });
     case OpCode::kSigmoid: return UnaryF32(in, *x[0], [](float a) { return 1.0f / (1.0f + std::exp(-a)); });
-    case OpCode::kRelu: return UnaryF32(in, *x[0], [](float a) { return a > 0.0f || a != a ? a : 0.0f; });
+    case OpCode::kRelu: return UnaryF32(in, *x[0], [](float a) { return (a > 0.0f) | (a != a) ? a : 0.0f; });
     case OpCode::kAbs: return Unary(in, *x[0], [](auto a) { return AbsOf(a); });
     case OpCode::kConvert: return Convert(in, *x[0]);
 
@@ -734,13 +744,13 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kReduceMean: return Reduce(in, *x[0]);
 
     case OpCode::kMatmul: return Matmul(in, *x[0], *x[1]);
-    case OpCode::kConv2d: return Conv2d(in, *x[0], *x[1]);
-    case OpCode::kConv2dInputGrad: return Conv2dInputGrad(in, *x[0], *x[1]);
-    case OpCode::kConv2dFilterGrad: return Conv2dFilterGrad(in, *x[0], *x[1]);
-    case OpCode::kMaxPool: return MaxPool(in, *x[0]);
-    case OpCode::kMaxPoolGrad: return MaxPoolGrad(in, *x[0], *x[1]);
-    case OpCode::kAvgPool: return AvgPool(in, *x[0]);
-    case OpCode::kAvgPoolGrad: return AvgPoolGrad(in, *x[0]);
+    case OpCode::kConv2d: return Conv2d(in, *F32Only(x)[0], *x[1]);
+    case OpCode::kConv2dInputGrad: return Conv2dInputGrad(in, *F32Only(x)[0], *x[1]);
+    case OpCode::kConv2dFilterGrad: return Conv2dFilterGrad(in, *F32Only(x)[0], *x[1]);
+    case OpCode::kMaxPool: return MaxPool(in, *F32Only(x)[0]);
+    case OpCode::kMaxPoolGrad: return MaxPoolGrad(in, *F32Only(x)[0], *x[1]);
+    case OpCode::kAvgPool: return AvgPool(in, *F32Only(x)[0]);
+    case OpCode::kAvgPoolGrad: return AvgPoolGrad(in, *F32Only(x)[0]);
 
     case OpCode::kOneHot: return OneHot(in, *x[0]);
     case OpCode::kGather: return GatherRows(in, *x[0], *x[1]);

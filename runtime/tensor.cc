@@ -37,7 +37,7 @@ const void* Tensor::raw() const {
 }
 
 bool Tensor::operator==(const Tensor& o) const {
-  return type == o.type && std::memcmp(raw(), o.raw(), bytes()) == 0;
+  return type == o.type && (bytes() == 0 || std::memcmp(raw(), o.raw(), bytes()) == 0);
 }
 
 }  // namespace shardstep::runtime

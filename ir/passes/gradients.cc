@@ -161,7 +161,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     }
     // z = reshape(x) / dx = reshape(dz, shape(x))
     case OpCode::kReshape:
-      return {b.Reshape(dz, b.shape(o[0]))};
+      return {b.Reshape(dz, Shape(b.shape(o[0])))};
     // z = transpose(x, perm) / dx = transpose(dz, inverse(perm))
     case OpCode::kTranspose: {
       const IntList& perm = in.GetInts("perm");
@@ -172,7 +172,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     // z = slice(x, start, limit) / dx = pad(dz, low = start, high = shape(x) - limit)
     case OpCode::kSlice: {
       const IntList &start = in.GetInts("start"), &limit = in.GetInts("limit");
-      const Shape& x = b.shape(o[0]);
+      const Shape x = b.shape(o[0]);  // a copy: emitting moves the module's instructions
       IntList high(x.size());
       for (size_t i = 0; i < x.size(); ++i) high[i] = x[i] - limit[i];
       return {b.Pad(dz, start, high)};
@@ -180,7 +180,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     // z = pad(x, low, high) (zeros) / dx = slice(dz, low, low + shape(x))
     case OpCode::kPad: {
       const IntList& low = in.GetInts("low");
-      const Shape& x = b.shape(o[0]);
+      const Shape x = b.shape(o[0]);
       IntList limit(x.size());
       for (size_t i = 0; i < x.size(); ++i) limit[i] = low[i] + x[i];
       return {b.Slice(dz, low, limit)};
@@ -203,12 +203,12 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
 
     // z = reduce_sum(x, axes) / dx = broadcast(dz) over axes
     case OpCode::kReduceSum: {
-      const Shape& x = b.shape(o[0]);
+      const Shape x = b.shape(o[0]);
       return {b.Broadcast(dz, x, OtherAxes(x.size(), in.GetInts("axes")))};
     }
     // z = reduce_mean(x, axes) / dx = broadcast(dz) over axes / count
     case OpCode::kReduceMean: {
-      const Shape& x = b.shape(o[0]);
+      const Shape x = b.shape(o[0]);
       const IntList& axes = in.GetInts("axes");
       int64_t count = 1;
       for (int64_t a : axes) count *= x[a];
@@ -217,7 +217,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     }
     // z = reduce_max(x, axes) / dx = select(x == broadcast(z), broadcast(dz), 0)   (every maximum gets dz)
     case OpCode::kReduceMax: {
-      const Shape& x = b.shape(o[0]);
+      const Shape x = b.shape(o[0]);
       IntList kept = OtherAxes(x.size(), in.GetInts("axes"));
       ValueId mask = Cmp(b, OpCode::kEq, o[0], b.Broadcast(z, x, kept));
       ValueId g = b.Broadcast(dz, x, kept);
@@ -262,7 +262,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     //   row-major), built from one strided tap per window offset and a select chain
     case OpCode::kMaxPoolGrad: {
       const IntList k = in.GetInts("window"), s = in.GetInts("stride", k);
-      const Shape& g = b.shape(o[1]);
+      const Shape g = b.shape(o[1]);
       const int64_t oh = g[2], ow = g[3];
       ValueId m = b.Emit(OpCode::kMaxPool, {o[0]}, Pick(in, {"window", "stride"}));
       ValueId acc = kNoValue;

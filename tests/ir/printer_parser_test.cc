@@ -88,7 +88,8 @@ ValueId BuildOp(Builder& b, OpCode op) {
       return b.Emit(op, {In(b, image), In(b, F32({2, 4, 6, 6}))}, {{"filter_shape", IntList{4, 3, 3, 3}}});
     case OpCode::kMaxPool: return b.Emit(op, {In(b, image)}, {{"window", IntList{2, 2}}});
     case OpCode::kMaxPoolGrad:
-      return b.Emit(op, {In(b, image), In(b, F32({2, 3, 4, 4}))}, {{"window", IntList{2, 2}}, {"stride", IntList{2, 2}}});
+      return b.Emit(op, {In(b, image), In(b, F32({2, 3, 4, 4}))},
+                    {{"window", IntList{2, 2}}, {"stride", IntList{2, 2}}});
     case OpCode::kAvgPool: return b.Emit(op, {In(b, image)}, {{"window", IntList{3, 3}}, {"stride", IntList{1, 1}}});
     case OpCode::kAvgPoolGrad:
       return b.Emit(op, {In(b, F32({2, 3, 4, 4}))}, {{"window", IntList{2, 2}}, {"input_shape", IntList{2, 3, 8, 8}}});
@@ -115,7 +116,8 @@ TEST_CASE("Print writes the documented text form") {
   ValueId h = b.Matmul(x, w);
   ValueId half = b.Scalar(0.5);
   ValueId cat = b.Concat({h, h}, 1);
-  ValueId sum = b.Emit(OpCode::kAllReduce, {cat}, {{"groups", IntLists{{0, 1}, {2, 3}}}, {"reduction", std::string("sum")}});
+  ValueId sum =
+      b.Emit(OpCode::kAllReduce, {cat}, {{"groups", IntLists{{0, 1}, {2, 3}}}, {"reduction", std::string("sum")}});
   ValueId grad = b.BroadcastScalar(half, {784, 256});
   ValueId updated = b.Sub(w, grad);
   ValueId loss = b.SumAll(sum);
@@ -320,7 +322,8 @@ TEST_CASE("Parse reports malformed text with line:col") {
       {head + "  %2 = neg(%0) : f32[2,3]\n}", "3:3", "expected %1 (values must be numbered in order)"},
       {head + "  %1 = input @y : f32[3,2]\n  %2 = add(%0, %1) : f32[2,3]\n}", "4:3",
        "add(f32[2,3], f32[3,2]): operand shapes differ"},
-      {head + "  %1 = neg(%0) : f32[3,2]\n}", "3:18", "type mismatch: neg(f32[2,3]) has type f32[2,3], written f32[3,2]"},
+      {head + "  %1 = neg(%0) : f32[3,2]\n}", "3:18",
+       "type mismatch: neg(f32[2,3]) has type f32[2,3], written f32[3,2]"},
       {head + "  %1 = add(%0) : f32[2,3]\n}", "3:8", "add takes 2 operands, got 1"},
       {head + "  %1 = concat(%0) : f32[2,3]\n}", "3:3", "missing attribute 'axis'"},
       {head + "  %1 = reduce_sum(%0) {axes=[0.5]} : f32[3]\n}", "3:30", "expected integer or ']' in list, found '0.5'"},
@@ -339,7 +342,8 @@ TEST_CASE("Parse reports malformed text with line:col") {
       {head + "  %1 = neg(%0) : $\n}", "3:18", "unexpected character '$'"},
       {head + "}\nextra", "4:1", "unexpected 'extra' after the end of the module"},
       {head, "3:1", "expected '}' at end of module, found end of input"},
-      {head + "  neg(%0)\n}", "3:3", "expected an instruction (%N = ...), 'gradient', 'assign', 'output' or '}', found 'neg'"},
+      {head + "  neg(%0)\n}", "3:3",
+       "expected an instruction (%N = ...), 'gradient', 'assign', 'output' or '}', found 'neg'"},
   };
   REQUIRE(cases.size() >= 12);
   for (const Case& c : cases) {

@@ -74,7 +74,11 @@ TEST_CASE("Verify rejects broken modules") {
       {"unnamed variable", [](Module& m) { m.at(1).name.clear(); }, "%1 (variable): has no name"},
       {"duplicate variable", [](Module& m) { m.at(1).name = "w"; }, "%1 (variable): name @w is used twice"},
       {"duplicate input",
-       [](Module& m) { Builder(&m).Input("y", F32({1})); Builder(&m).Input("z", F32({1})); m.instrs.back().name = "x"; },
+       [](Module& m) {
+         Builder(&m).Input("y", F32({1}));
+         Builder(&m).Input("z", F32({1}));
+         m.instrs.back().name = "x";
+       },
        "%9 (input): name @x is used twice"},
       {"assign to an input", [](Module& m) { m.assigns[0].first = 2; }, "assign %2 = %6: target %2 is not a variable"},
       {"assign out of range", [](Module& m) { m.assigns[0].second = 99; }, "assign %0 = %99: value %99 is not defined"},

@@ -2,7 +2,9 @@
 // implementation (in-process here; MPI and the TPU mesh reuse it with their own factory).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -259,6 +261,7 @@ void CheckCollectivesConformance(const CollectivesFactory& make) {
         std::vector<float> data(1000, 1.0f);
         for (int step = 0;; ++step) {  // the others would loop forever without the abort
           if (r == 5 && step == 20) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the others block first
             failed_at = (Clock::now() - start).count();
             throw Error("loss is NaN at step 20");
           }
@@ -274,6 +277,28 @@ void CheckCollectivesConformance(const CollectivesFactory& make) {
     CHECK(after_failure < 1.0);
     // The object stays aborted: every later call throws the same message.
     CHECK_THROWS_WITH(c->Barrier(0, all), "replica 5: loss is NaN at step 20");
+  }
+
+  SECTION("an abort in the middle of large collectives frees no buffer that another member still reads") {
+    const int nrep = 6;
+    const int64_t n = 1 << 20;
+    auto c = make(nrep);
+    const ReplicaGroup group = Iota(0, nrep - 1);
+    for (int round = 0; round < 3; ++round) {
+      CHECK_THROWS_WITH(RunReplicas(nrep, c.get(),
+                                    [&](int r) {
+                                      if (r == nrep - 1) {
+                                        std::this_thread::sleep_for(std::chrono::milliseconds(5 + 7 * round));
+                                        throw Error("stop");
+                                      }
+                                      for (;;) {  // each buffer is freed as its replica unwinds
+                                        std::vector<float> data(n, 1.0f);
+                                        c->AllReduce(r, group, data.data(), n, Reduction::kSum);
+                                      }
+                                    }),
+                        "replica 5: stop");
+      c = make(nrep);
+    }
   }
 
   SECTION("an exception of any type is reported with its replica") {

@@ -341,7 +341,8 @@ Built Build(const Case& c, unsigned seed) {
   Ctx ctx{b, rng, {}, {}};
   ValueId y = c.build(ctx);
   REQUIRE(b.type(y).dtype == DType::kF32);
-  ValueId r = ctx.InputF32("r", b.shape(y), Uniform(-1, 1)(b.type(y).elements(), rng));
+  const Shape shape = b.shape(y);
+  ValueId r = ctx.InputF32("r", shape, Uniform(-1, 1)(NumElements(shape), rng));
   ValueId loss = b.SumAll(b.Mul(y, r));
   out.module.outputs.push_back({"loss", loss});
   out.variables = std::move(ctx.variables);
@@ -421,7 +422,7 @@ TEST_CASE("autodiff of an MLP with softmax cross-entropy matches finite differen
                  {"b2", Tensor::F32({classes}, Uniform(-0.5, 0.5)(classes, rng))}};
     inputs = {{"x", Tensor::F32({batch, in}, Uniform(-1, 1)(batch * in, rng))},
               {"labels", Tensor::S32({batch}, {0, 2, 1, 2})}};
-    const Tensor& p = runtime::EvaluateAll(m, variables, inputs)[pre];
+    const Tensor p = runtime::EvaluateAll(m, variables, inputs)[pre];
     float closest = 1e9f;
     for (float v : p.f32) closest = std::min(closest, std::abs(v));
     if (closest > 0.05f) break;
@@ -441,7 +442,7 @@ TEST_CASE("autodiff records a zero gradient for weights the loss ignores, and no
   Module m;
   Builder b(&m);
   ValueId w = b.Variable("w", {DType::kF32, {2}}, kRoleWeight);
-  ValueId unused = b.Variable("unused", {DType::kF32, {3}}, kRoleWeight);
+  b.Variable("unused", {DType::kF32, {3}}, kRoleWeight);
   ValueId cut = b.Variable("cut", {DType::kF32, {2}}, kRoleWeight);  // reaches the loss only through s32
   ValueId state = b.Variable("m", {DType::kF32, {2}}, kRoleOptimizerState);
   ValueId through_int = b.Convert(b.Convert(cut, DType::kS32), DType::kF32);
@@ -460,7 +461,6 @@ TEST_CASE("autodiff records a zero gradient for weights the loss ignores, and no
   }
   CHECK(m.GradientOf(m.FindVariable("m")) == kNoValue);
   CHECK(m.GradientOf(m.FindVariable("w")) != kNoValue);
-  (void)w, (void)unused, (void)state;
 
   TensorMap vars{{"w", Tensor::F32({2}, {1, 2})}, {"unused", Tensor::F32({3}, {0, 0, 0})},
                  {"cut", Tensor::F32({2}, {0.5f, 1.5f})}, {"m", Tensor::F32({2}, {3, -4})}};
