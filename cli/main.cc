@@ -7,12 +7,15 @@
 
 #include "dsl/dsl.h"
 #include "ir/error.h"
+#include "ir/memory_plan.h"
 #include "ir/passes/pipeline.h"
+#include "ir/passes/weight_update_sharder.h"
 #include "ir/printer.h"
 #include "models/models.h"
 #include "runtime/checkpoint.h"
 #include "runtime/executor.h"
 #include "runtime/initializers.h"
+#include "runtime/sharding.h"
 #include "runtime/trainer.h"
 
 using namespace shardstep;
@@ -40,6 +43,10 @@ struct ProgramFlags {
   double end_lr_factor = 0;
   double power = 1.0;
   double trust_coefficient = 0.001;
+  std::string replica_groups;          // "AxB": A groups of B replicas each
+  std::string shard_weight_update = "auto";
+  std::string gather_weights = "end";
+  int64_t combine_bytes = 4 << 20, combine_count = 64;
 };
 
 void AddProgramFlags(CLI::App* app, ProgramFlags* f) {
@@ -68,7 +75,19 @@ void AddProgramFlags(CLI::App* app, ProgramFlags* f) {
   app->add_option("--end-lr-factor", f->end_lr_factor, "final lr / base lr for decays")->check(CLI::Range(0.0, 1.0));
   app->add_option("--power", f->power, "polynomial decay power")->check(CLI::PositiveNumber);
   app->add_option("--trust-coefficient", f->trust_coefficient, "LARS eta")->check(CLI::PositiveNumber);
+  app->add_option("--replica-groups", f->replica_groups, "AxB: data parallel within A groups of B replicas");
+  app->add_option("--shard-weight-update", f->shard_weight_update, "on|off|auto (auto: on when replicas > 1)")
+      ->check(CLI::IsMember({"on", "off", "auto"}))->capture_default_str();
+  app->add_option("--gather-weights", f->gather_weights,
+                  "all-gather of updated weights: at the end of the step, or deferred to the start of the next")
+      ->check(CLI::IsMember({"end", "start"}))->capture_default_str();
+  app->add_option("--combine-threshold-bytes", f->combine_bytes, "combine collectives up to this many bytes (0: off)")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
+  app->add_option("--combine-threshold-count", f->combine_count, "combine at most this many collectives")
+      ->check(CLI::NonNegativeNumber)->capture_default_str();
 }
+
+ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps);
 
 ir::OptimizerConfig OptimizerFromFlags(const ProgramFlags& f, int64_t steps) {
   ir::OptimizerConfig c;
@@ -90,6 +109,26 @@ ir::OptimizerConfig OptimizerFromFlags(const ProgramFlags& f, int64_t steps) {
   return c;
 }
 
+ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps) {
+  ir::PipelineOptions o;
+  o.optimizer = OptimizerFromFlags(f, steps);
+  o.replicas = f.replicas;
+  if (!f.replica_groups.empty()) {
+    int a = 0, b = 0;
+    char x = 0, extra = 0;
+    if (std::sscanf(f.replica_groups.c_str(), "%d%c%d%c", &a, &x, &b, &extra) != 3 || x != 'x' || a < 1 || b < 1)
+      throw Error(Str("--replica-groups: expected AxB (A groups of B replicas), got '", f.replica_groups, "'"));
+    if (a * b != f.replicas)
+      throw Error(Str("--replica-groups ", f.replica_groups, " makes ", a * b, " replicas but --replicas is ", f.replicas));
+    o.group_size = b;
+  }
+  o.shard_weight_update = f.shard_weight_update != "off";
+  o.gather_at_start = f.gather_weights == "start";
+  o.combine_bytes = f.combine_bytes;
+  o.combine_count = f.combine_count;
+  return o;
+}
+
 models::ModelOptions ModelOptionsFromFlags(const ProgramFlags& f, int64_t batch) {
   models::ModelOptions o;
   o.batch = batch;
@@ -103,7 +142,7 @@ dsl::Program BuildProgram(const ProgramFlags& f, int64_t steps) {
   const models::ModelSpec& spec = models::FindModel(f.model);
   dsl::Model m(spec.name, f.seed);
   dsl::Tensor loss = spec.define(m, ModelOptionsFromFlags(f, f.batch));
-  return m.train(loss).optimizer(OptimizerFromFlags(f, steps)).replicas(f.replicas).build();
+  return m.train(loss).options(PipelineFromFlags(f, steps)).build();
 }
 
 ir::Module BuildForward(const ProgramFlags& f, int64_t batch) {
@@ -113,11 +152,6 @@ ir::Module BuildForward(const ProgramFlags& f, int64_t batch) {
   return m.lower(1);
 }
 
-std::map<std::string, ir::TensorType> VariableTypes(const ir::Module& m) {
-  std::map<std::string, ir::TensorType> types;
-  for (ir::ValueId v : m.Variables()) types[m.at(v).name] = m.type(v);
-  return types;
-}
 
 struct TrainFlags {
   ProgramFlags program;
@@ -134,10 +168,10 @@ int RunTrain(const TrainFlags& t) {
   dsl::Program program = BuildProgram(t.program, t.steps);
   ir::Module forward = BuildForward(t.program, t.eval_batch);
 
-  runtime::TensorMap state = runtime::InitVariables(program.step);
+  runtime::TensorMap state = runtime::InitLogicalState(program.step);
   if (!t.load.empty()) {
     runtime::TensorMap loaded = runtime::LoadCheckpoint(t.load);
-    runtime::CheckCheckpointMatches(loaded, VariableTypes(program.step), t.load);
+    runtime::CheckCheckpointMatches(loaded, runtime::LogicalTypes(program.step), t.load);
     state = loaded;
     std::cout << "loaded checkpoint " << t.load << "\n";
   }
@@ -161,7 +195,8 @@ int RunTrain(const TrainFlags& t) {
   for (ir::ValueId v : program.step.VariablesWithRole(ir::kRoleWeight)) params += program.step.type(v).elements();
   std::cout << "model " << spec.name << " (" << params << " parameters), " << t.dataset << " (" << train.size()
             << " train / " << test.size() << " test), batch " << t.program.batch << ", " << t.program.replicas
-            << " replica(s), " << program.optimizer.ToString() << ", backend interp\n";
+            << " replica(s), " << program.options.optimizer.ToString() << ", backend interp\n"
+            << ir::PlanMemory(program.step).ToString();
 
   auto exec = runtime::MakeInterpreterExecutor(program.step, state);
   runtime::TrainOptions o;
@@ -181,15 +216,36 @@ int RunTrain(const TrainFlags& t) {
   return 0;
 }
 
-int RunCompile(const ProgramFlags& f, const std::string& emit, const std::string& out_path) {
+int RunCompile(const ProgramFlags& f, const std::string& emit, const std::string& out_path, bool report) {
   const models::ModelSpec& spec = models::FindModel(f.model);
   dsl::Model m(spec.name, f.seed);
   dsl::Tensor loss = spec.define(m, ModelOptionsFromFlags(f, f.batch));
   m.train(loss);
   ir::Module module = m.lower(f.replicas);
-  if (emit != "ir") {
-    static const std::map<std::string, std::string> stop = {{"grad", "autodiff"}, {"opt", "optimizer-lowering"}};
-    ir::BuildTrainingPipeline(OptimizerFromFlags(f, 1000), f.replicas).StopAfter(stop.at(emit)).Run(module);
+  ir::PipelineOptions po = PipelineFromFlags(f, 1000);
+  ir::Module before_sharding;
+  std::string sharding_report;
+  if (emit != "ir" || report) {
+    static const std::map<std::string, std::string> stop = {{"ir", ""},
+                                                            {"grad", "autodiff"},
+                                                            {"dp", "data-parallel-lowering"},
+                                                            {"opt", "optimizer-lowering"},
+                                                            {"sharded", "weight-update-sharder"},
+                                                            {"combined", "collective-combiner"}};
+    ir::Module full = module;
+    ir::PassPipeline pipeline = ir::BuildTrainingPipeline(po);
+    pipeline.OnPass([&](const ir::Pass& p, const ir::Module& mod) {
+      if (p.name() == stop.at(emit)) module = mod;
+      if (p.name() == "optimizer-lowering") before_sharding = mod;
+      if (auto* s = dynamic_cast<const ir::WeightUpdateSharder*>(&p)) sharding_report = s->report().ToString();
+    });
+    pipeline.Run(full);
+    if (report) {
+      if (sharding_report.empty()) sharding_report = "weight-update sharding is off (one replica or --shard-weight-update=off)\n";
+      std::cout << sharding_report << "before sharding " << ir::PlanMemory(before_sharding).ToString() << "after  sharding "
+                << ir::PlanMemory(full).ToString();
+      return 0;
+    }
   }
   std::string text = ir::Print(module);
   if (out_path.empty()) {
@@ -230,7 +286,10 @@ int main(int argc, char** argv) {
   std::string emit = "ir", out_path;
   CLI::App* compile_cmd = app.add_subcommand("compile", "build a model's training step and print a stage of it");
   AddProgramFlags(compile_cmd, &compile);
-  compile_cmd->add_option("--emit", emit, "ir|grad|opt")->check(CLI::IsMember({"ir", "grad", "opt"}))->capture_default_str();
+  bool report = false;
+  compile_cmd->add_option("--emit", emit, "stop after a stage and print it: ir|grad|dp|opt|sharded|combined")
+      ->check(CLI::IsMember({"ir", "grad", "dp", "opt", "sharded", "combined"}))->capture_default_str();
+  compile_cmd->add_flag("--report", report, "print the per-variable sharding table and per-replica memory instead");
   compile_cmd->add_option("-o,--output", out_path, "write to this file instead of stdout");
 
   // CLI11 reads a config file at the top level; let users write it after the subcommand too.
@@ -263,7 +322,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (*train_cmd) return RunTrain(train);
-    if (*compile_cmd) return RunCompile(compile, emit, out_path);
+    if (*compile_cmd) return RunCompile(compile, emit, out_path, report);
   } catch (const Error& e) {
     std::cerr << "shardstep: error: " << e.what() << "\n";
     return 1;

@@ -146,11 +146,10 @@ ir::Module Model::lower(int replicas) const {
 
 Program TrainBuilder::build(Loc loc) {
   Program p;
-  p.optimizer = opt_;
-  p.replicas = replicas_;
-  p.forward = m_->lower(replicas_);
+  p.options = o_;
+  p.forward = m_->lower(o_.replicas);
   p.step = p.forward;
-  ir::BuildTrainingPipeline(opt_, replicas_).Run(p.step);
+  ir::BuildTrainingPipeline(o_).Run(p.step);
   return p;
 }
 

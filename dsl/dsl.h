@@ -24,6 +24,7 @@
 #include "ir/builder.h"
 #include "ir/module.h"
 #include "ir/passes/optimizer_lowering.h"
+#include "ir/passes/pipeline.h"
 
 namespace shardstep::dsl {
 
@@ -89,22 +90,27 @@ struct Lowering {
 struct Program {
   ir::Module forward;  // inputs -> outputs ("loss" and any m.output), no state update
   ir::Module step;     // the whole training step: forward, backward, all-reduce, optimizer update
-  ir::OptimizerConfig optimizer;
-  int replicas = 1;
+  ir::PipelineOptions options;
 };
 
 class TrainBuilder {
  public:
-  TrainBuilder& optimizer(const ir::OptimizerConfig& c) { opt_ = c; return *this; }
-  TrainBuilder& replicas(int n) { replicas_ = n; return *this; }
+  TrainBuilder& optimizer(const ir::OptimizerConfig& c) { o_.optimizer = c; return *this; }
+  TrainBuilder& replicas(int n) { o_.replicas = n; return *this; }
+  // Data parallel within groups of this many replicas (0: one group of all).
+  TrainBuilder& replica_group_size(int n) { o_.group_size = n; return *this; }
+  TrainBuilder& shard_weight_update(bool on) { o_.shard_weight_update = on; return *this; }
+  TrainBuilder& gather_weights_at_start(bool on) { o_.gather_at_start = on; return *this; }
+  TrainBuilder& combine_thresholds(int64_t bytes, int64_t count) { o_.combine_bytes = bytes; o_.combine_count = count; return *this; }
+  // All pipeline options at once (the CLI uses this).
+  TrainBuilder& options(const ir::PipelineOptions& o) { o_ = o; return *this; }
   Program build(Loc loc = Loc::current());
 
  private:
   friend class Model;
   explicit TrainBuilder(Model* m) : m_(m) {}
   Model* m_;
-  ir::OptimizerConfig opt_;
-  int replicas_ = 1;
+  ir::PipelineOptions o_;
 };
 
 class Model {

@@ -6,6 +6,7 @@
 #include "ir/error.h"
 #include "runtime/inprocess_collectives.h"
 #include "runtime/replica_runner.h"
+#include "runtime/sharding.h"
 
 namespace shardstep::runtime {
 
@@ -26,7 +27,9 @@ namespace {
 class InterpreterExecutor : public Executor {
  public:
   InterpreterExecutor(const ir::Module& step, const TensorMap& state)
-      : step_(step), n_(step.num_replicas), collectives_(step.num_replicas), states_(n_, state) {}
+      : step_(step), n_(step.num_replicas), collectives_(step.num_replicas), states_(n_) {
+    LoadLogicalState(state);
+  }
 
   TensorMap Step(const TensorMap& global_inputs) override {
     std::vector<TensorMap> outputs(n_);
@@ -45,13 +48,13 @@ class InterpreterExecutor : public Executor {
   }
 
   TensorMap Forward(const ir::Module& forward, const TensorMap& inputs) override {
-    TensorMap state = states_[0];
+    TensorMap state = LogicalState();
     return RunStep(forward, state, inputs, 0, nullptr);
   }
 
-  TensorMap LogicalState() const override { return states_[0]; }
+  TensorMap LogicalState() const override { return LogicalStateFrom(step_, states_); }
   void LoadLogicalState(const TensorMap& state) override {
-    for (auto& s : states_) s = state;
+    for (int r = 0; r < n_; ++r) states_[r] = ReplicaState(step_, state, r);
   }
 
  private:

@@ -3,6 +3,9 @@
 
 #include "ir/error.h"
 #include "ir/passes/autodiff.h"
+#include "ir/passes/collective_combiner.h"
+#include "ir/passes/data_parallel_lowering.h"
+#include "ir/passes/weight_update_sharder.h"
 #include "ir/verifier.h"
 
 namespace shardstep::ir {
@@ -29,16 +32,20 @@ bool PassPipeline::Run(Module& m) {
     } catch (const Error& e) {
       SS_CHECK(false, "pass ", p->name(), " produced an invalid module: ", e.what());
     }
-    if (on_pass_) on_pass_(p->name(), m);
+    if (on_pass_) on_pass_(*p, m);
     if (p->name() == stop_after_) break;
   }
   return changed;
 }
 
-PassPipeline BuildTrainingPipeline(const OptimizerConfig& optimizer, int replicas) {
+PassPipeline BuildTrainingPipeline(const PipelineOptions& o) {
   PassPipeline p;
   p.Add(std::make_unique<Autodiff>("loss"));
-  p.Add(std::make_unique<OptimizerLowering>(optimizer));
+  p.Add(std::make_unique<DataParallelLowering>(o.group_size));
+  p.Add(std::make_unique<OptimizerLowering>(o.optimizer));
+  p.Add(std::make_unique<WeightUpdateSharder>(ShardingOptions{o.group_size, o.gather_at_start}));
+  p.Add(std::make_unique<CollectiveCombiner>(o.combine_bytes, o.combine_count));
+  if (!o.shard_weight_update) p.Disable("weight-update-sharder");
   return p;
 }
 

@@ -1,0 +1,138 @@
+// CollectiveCombiner.
+//
+// Algorithm:
+//  1. Walk the collectives in order; candidates share a key (op, reduction, groups, group size,
+//     dtype). A candidate joins the open group of its key unless it depends on a member (that
+//     would make a cycle) or the group would pass the byte or count threshold; else it opens a new one.
+//  2. Replace each group of two or more by one collective over a packed buffer:
+//       reduce-scatter: each x_i [G*a_i, ...] -> [G, k_i]; concat on axis 1 -> [G, K] -> [G*K];
+//                       reduce-scatter -> [K]; member i is columns [o_i, o_i + k_i) reshaped.
+//                       Row p of [G, k_i] is exactly the chunk replica p would have received,
+//                       so one reduce-scatter hands every replica its slice of every tensor.
+//       all-gather:     each y_i flattened to [k_i]; concat -> [K]; all-gather -> [G*K] -> [G, K];
+//                       member i is columns [o_i, o_i + k_i) reshaped to [G*a_i, ...].
+//       all-reduce:     flatten, concat, all-reduce, slice back.
+//  3. Canonicalize (the packed op depends on every member's operand; users follow it).
+#include "ir/passes/collective_combiner.h"
+
+#include <map>
+#include <tuple>
+
+#include "ir/builder.h"
+#include "ir/error.h"
+#include "ir/printer.h"
+
+namespace shardstep::ir {
+namespace {
+
+std::string Key(const Instr& in) {
+  std::string k = std::string(OpName(in.op)) + "/" + in.GetString("reduction", "") + "/" + DTypeName(in.type.dtype);
+  auto it = in.attrs.find("groups");
+  if (it != in.attrs.end()) k += "/" + PrintAttrValue(it->second);
+  k += "/" + std::to_string(in.GetInt("group_size", 0));
+  return k;
+}
+
+ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
+  const Instr first = m.at(members[0]);
+  const OpCode op = first.op;
+  Attrs attrs = first.attrs;
+  std::vector<ValueId> parts;
+  std::vector<int64_t> widths;
+  if (op == OpCode::kReduceScatter) {
+    const int64_t g = first.GetInt("group_size");
+    for (ValueId v : members) {
+      ValueId x = m.at(v).operands[0];
+      widths.push_back(m.type(x).elements() / g);
+      parts.push_back(b.Reshape(x, {g, widths.back()}));
+    }
+    ValueId packed = b.Concat(parts, 1);
+    ValueId rs = b.Emit(op, {b.Reshape(packed, {NumElements(b.shape(packed))})}, attrs);
+    int64_t off = 0;
+    for (size_t i = 0; i < members.size(); ++i) {
+      ValueId piece = b.Reshape(b.Slice(rs, {off}, {off + widths[i]}), m.type(members[i]).shape);
+      m.ReplaceAllUses(members[i], piece);
+      off += widths[i];
+    }
+    return rs;
+  }
+  for (ValueId v : members) {
+    ValueId x = m.at(v).operands[0];
+    widths.push_back(m.type(x).elements());
+    parts.push_back(b.Reshape(x, {widths.back()}));
+  }
+  ValueId packed = b.Concat(parts, 0);
+  ValueId c = b.Emit(op, {packed}, attrs);
+  int64_t off = 0, total = b.type(packed).elements();
+  if (op == OpCode::kAllGather) {
+    const int64_t g = first.GetInt("group_size");
+    ValueId rows = b.Reshape(c, {g, total});
+    for (size_t i = 0; i < members.size(); ++i) {
+      ValueId piece = b.Reshape(b.Slice(rows, {0, off}, {g, off + widths[i]}), m.type(members[i]).shape);
+      m.ReplaceAllUses(members[i], piece);
+      off += widths[i];
+    }
+  } else {
+    for (size_t i = 0; i < members.size(); ++i) {
+      ValueId piece = b.Reshape(b.Slice(c, {off}, {off + widths[i]}), m.type(members[i]).shape);
+      m.ReplaceAllUses(members[i], piece);
+      off += widths[i];
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+bool CollectiveCombiner::Run(Module& m) {
+  if (max_bytes_ <= 0 || max_count_ < 2) return false;
+  const int n = m.size();
+  // Collectives each value depends on (bitsets over the collectives' indices).
+  std::vector<ValueId> colls;
+  std::vector<int> index(n, -1);
+  for (ValueId v = 0; v < n; ++v)
+    if (HasProperty(m.at(v).op, kCollective)) {
+      index[v] = static_cast<int>(colls.size());
+      colls.push_back(v);
+    }
+  if (colls.size() < 2) return false;
+  const size_t words = (colls.size() + 63) / 64;
+  std::vector<std::vector<uint64_t>> deps(n, std::vector<uint64_t>(words, 0));
+  for (ValueId v = 0; v < n; ++v) {
+    for (ValueId o : m.at(v).operands) {
+      for (size_t w = 0; w < words; ++w) deps[v][w] |= deps[o][w];
+      if (index[o] >= 0) deps[v][index[o] / 64] |= 1ull << (index[o] % 64);
+    }
+  }
+  // 1. Greedy grouping.
+  struct Group {
+    std::vector<ValueId> members;
+    int64_t bytes = 0;
+  };
+  std::map<std::string, Group> open;
+  std::vector<std::vector<ValueId>> done;
+  for (ValueId v : colls) {
+    const Instr& in = m.at(v);
+    const int64_t bytes = std::max(in.type.bytes(), m.type(in.operands[0]).bytes());
+    std::string key = Key(in);
+    Group& g = open[key];
+    bool depends = false;
+    for (ValueId u : g.members) depends |= (deps[v][index[u] / 64] >> (index[u] % 64)) & 1;
+    if (depends || g.bytes + bytes > max_bytes_ || static_cast<int64_t>(g.members.size()) >= max_count_) {
+      if (g.members.size() > 1) done.push_back(g.members);
+      g = Group{};
+    }
+    g.members.push_back(v);
+    g.bytes += bytes;
+  }
+  for (auto& [key, g] : open)
+    if (g.members.size() > 1) done.push_back(g.members);
+  if (done.empty()) return false;
+  // 2. Packed collectives.
+  Builder b(&m);
+  for (auto& members : done) Combine(b, m, members);
+  m.Canonicalize();
+  return true;
+}
+
+}  // namespace shardstep::ir

@@ -1,0 +1,48 @@
+// WeightUpdateSharder: automatic cross-replica sharding of the weight update (Xu et al. 2020,
+// arXiv 2004.13336; DESIGN §1). Turns "all-reduce the gradient, every replica updates the whole
+// tensor" into "reduce-scatter, update 1/N, all-gather", with optimizer state kept as 1/N shards.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "ir/passes/pass.h"
+#include "ir/shard_format.h"
+
+namespace shardstep::ir {
+
+struct ShardingOptions {
+  int group_size = 0;            // replicas per group (0: all replicas form one group)
+  bool gather_at_start = false;  // keep weights sharded too; all-gather them at the start of the next step
+};
+
+struct VariableShardingRow {
+  std::string name;
+  std::string role;
+  bool sharded = false;   // stored as a 1/N shard across steps
+  std::string why;        // why (not)
+  std::string format;     // "dim0", "flat" or "-"
+  int64_t padding = 0;    // padded elements
+  int64_t bytes_before = 0, bytes_after = 0;  // per replica
+};
+
+struct ShardingReport {
+  int group_size = 1;
+  std::vector<VariableShardingRow> variables;
+  std::vector<std::string> fallbacks;  // update ops that could not be partitioned
+  std::string ToString() const;        // the table `shardstep compile --report` prints
+};
+
+class WeightUpdateSharder : public Pass {
+ public:
+  explicit WeightUpdateSharder(ShardingOptions o = {}) : o_(o) {}
+  std::string name() const override { return "weight-update-sharder"; }
+  bool Run(Module& m) override;
+  const ShardingReport& report() const { return report_; }
+
+ private:
+  ShardingOptions o_;
+  ShardingReport report_;
+};
+
+}  // namespace shardstep::ir
