@@ -1,6 +1,8 @@
 // The interpreter executor: replicas as threads, the batch split along dimension 0.
 #include "runtime/executor.h"
 
+#include <malloc.h>
+
 #include <cstring>
 
 #include "ir/error.h"
@@ -24,10 +26,22 @@ Tensor SliceBatch(const Tensor& t, int parts, int i) {
 
 namespace {
 
+// Steps allocate and free the same large buffers every time; keep them in the heap instead of
+// returning them to the kernel, so a step does not page-fault its way through fresh memory.
+void KeepFreedMemory() {
+  static const bool once = [] {
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, -1);
+    return true;
+  }();
+  (void)once;
+}
+
 class InterpreterExecutor : public Executor {
  public:
   InterpreterExecutor(const ir::Module& step, const TensorMap& state)
       : step_(step), n_(step.num_replicas), collectives_(step.num_replicas), states_(n_) {
+    KeepFreedMemory();
     LoadLogicalState(state);
   }
 
