@@ -144,8 +144,15 @@ bool OptimizerLowering::Run(Module& m) {
 
   // Per-step scalars shared by every weight.
   ValueId t1 = s.add(t, one);  // 1-based step for bias correction
-  ValueId bc1 = s.sub(one, b.Binary(OpCode::kPow, s.c(c.beta1_), t1));
-  ValueId bc2 = s.sub(one, b.Binary(OpCode::kPow, s.c(c.beta2_), t1));
+  // Bias corrections 1 - beta^t. In f32, 1 - pow(0.999f, t) loses most digits (0.999 itself rounds),
+  // off by 1e-5 relative; PyTorch computes it in double. -expm1(t ln beta) keeps them, and
+  // expm1(x) = 2 tanh(x/2) / (1 - tanh(x/2)) with ln beta taken in double at build time.
+  auto one_minus_pow = [&](double beta) {
+    ValueId th = b.Unary(OpCode::kTanh, s.mul(t1, s.c(0.5 * std::log(beta))));
+    return s.div(s.mul(s.c(-2.0), th), s.sub(one, th));
+  };
+  ValueId bc1 = one_minus_pow(c.beta1_);
+  ValueId bc2 = one_minus_pow(c.beta2_);
 
   // 3. Updates.
   for (auto [w, g] : grads) {
