@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <iomanip>
+#include <map>
 #include <sstream>
 
 #include "dsl/dsl.h"
@@ -182,6 +183,25 @@ void CheckClose(const TensorMap& reference, const TensorMap& sharded, double tol
   }
 }
 
+// Re-synchronised comparison: before every step the sharded executor loads the replicated run's
+// logical state, so each step's difference is measured on its own.
+void CheckCloseEveryStep(const dsl::Program& replicated, const dsl::Program& sharded, double tol) {
+  auto ea = MakeInterpreterExecutor(replicated.step, InitLogicalState(replicated.step));
+  auto eb = MakeInterpreterExecutor(sharded.step, InitLogicalState(sharded.step));
+  std::map<std::string, double> worst;
+  for (int i = 0; i < kSteps; ++i) {
+    eb->LoadLogicalState(ea->LogicalState());
+    ea->Step(Batches(false)[i]);
+    eb->Step(Batches(false)[i]);
+    const TensorMap a = ea->LogicalState(), b = eb->LogicalState();
+    for (const auto& [name, t] : a) worst[name] = std::max(worst[name], RelDiff(t, b.at(name)));
+  }
+  for (const auto& [name, rel] : worst) {
+    INFO("variable " << name << ": worst single-step relative diff " << rel);
+    CHECK(rel <= tol);
+  }
+}
+
 double Mean(const std::vector<double>& v, size_t begin, size_t end) {
   double s = 0;
   for (size_t i = begin; i < end; ++i) s += v[i];
@@ -220,7 +240,13 @@ void Compare(const std::string& label, ir::OptimizerConfig opt, Expect expect, s
       CheckBitwise(a.final_state, b.final_state);
       CHECK(a.losses == b.losses);
     } else {
-      CheckClose(a.final_state, b.final_state, 1e-6);
+      // Step by step: from the same logical state, one sharded step agrees with one replicated step
+      // to 1e-6 relative (the norms are summed shard by shard, so only rounding may differ).
+      CheckCloseEveryStep(replicated, sharded, 1e-6);
+      // Free-running for 50 steps, rounding differences compound (Adam turns a 1-ulp change of a
+      // gradient near eps into a visible change of the update): measured up to 1.8e-6 (Adam + clip,
+      // N=4), so the whole-trajectory bound is 1e-5.
+      CheckClose(a.final_state, b.final_state, 1e-5);
     }
     WARN(label << " N=" << n << ": "
                << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s");
@@ -268,8 +294,9 @@ TEST_CASE("norm-based optimizers agree to float tolerance", "[sharding]") {
 // batch; sharding happens within each group. Driven replica by replica so both groups can be checked.
 TEST_CASE("Adam sharded within replica groups (N=8, groups of 4) is bitwise identical", "[sharding][groups]") {
   const int n = 8, g = 4;
-  Config rc{dsl::Adam().lr(1e-3), n, false, false, g};
-  Config sc{dsl::Adam().lr(1e-3), n, true, false, g};
+  // Each group trains on 12 examples per step, which learns slower than 24: a larger step size.
+  Config rc{dsl::Adam().lr(3e-3), n, false, false, g};
+  Config sc{dsl::Adam().lr(3e-3), n, true, false, g};
   dsl::Program replicated = Build(rc), sharded = Build(sc);
   CheckIsSharded(sharded, sc);
   for (ir::ValueId v : sharded.step.Variables()) {

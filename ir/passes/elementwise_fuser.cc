@@ -1,0 +1,82 @@
+// ElementwiseFuser: groups chains of elementwise ops over one shape into fusion groups.
+//
+// Algorithm (one pass in module order):
+//  1. Drop any previous "fusion" attributes (the pass is idempotent).
+//  2. For each fusible instruction v (IsFusible), try the groups of its operands, first operand
+//     first: v joins group g when g's members have v's shape and joining creates no cycle, i.e. no
+//     operand of v outside g depends (through non-members) on a member of g. Otherwise v starts a
+//     new group.
+//  3. Number the groups densely in order of their first member and write "fusion"=<id>.
+// Why: the optimizer update of a tensor (Adam: ~15 elementwise ops) becomes one loop over memory
+// instead of one loop per op, so it moves 7 words per parameter instead of ~40. Scalar operands
+// (broadcasts of rank-0 values, splat constants) are read once per kernel, not materialised.
+#include "ir/passes/elementwise_fuser.h"
+
+#include <algorithm>
+#include <vector>
+
+namespace shardstep::ir {
+
+bool IsFusible(const Module& m, ValueId v) {
+  const Instr& in = m.at(v);
+  if (in.op == OpCode::kBroadcast) return m.type(in.operands[0]).rank() == 0;
+  if (!HasProperty(in.op, kElementwise)) return false;
+  if (in.op == OpCode::kDiv && in.type.dtype == DType::kS32) return false;
+  return true;
+}
+
+namespace {
+
+// Does value `from` depend on a member of group `g` (whose first member is `first`) through a path
+// that leaves the group? Walks operands backwards, never below `first`.
+bool DependsOnGroup(const Module& m, const std::vector<int>& group, ValueId from, int g, ValueId first,
+                    std::vector<int>& seen, int stamp) {
+  std::vector<ValueId> stack{from};
+  while (!stack.empty()) {
+    ValueId v = stack.back();
+    stack.pop_back();
+    if (v < first || seen[v] == stamp) continue;
+    seen[v] = stamp;
+    if (group[v] == g) return true;
+    for (ValueId o : m.at(v).operands) stack.push_back(o);
+  }
+  return false;
+}
+
+}  // namespace
+
+bool ElementwiseFuser::Run(Module& m) {
+  bool had = false;
+  for (Instr& in : m.instrs) had |= in.attrs.erase(kFusionAttr) > 0;
+  const int n = m.size();
+  std::vector<int> group(n, -1), seen(n, -1);
+  std::vector<ValueId> first_member;
+  std::vector<Shape> group_shape;
+  int stamp = 0;
+  for (ValueId v = 0; v < n; ++v) {
+    if (!IsFusible(m, v)) continue;
+    const Instr& in = m.at(v);
+    int chosen = -1;
+    for (ValueId o : in.operands) {
+      const int g = group[o];
+      if (g < 0 || group_shape[g] != in.type.shape) continue;
+      bool cycle = false;
+      for (ValueId p : in.operands) {
+        if (group[p] == g) continue;
+        if (DependsOnGroup(m, group, p, g, first_member[g], seen, ++stamp)) { cycle = true; break; }
+      }
+      if (!cycle) { chosen = g; break; }
+    }
+    if (chosen < 0) {
+      chosen = static_cast<int>(first_member.size());
+      first_member.push_back(v);
+      group_shape.push_back(in.type.shape);
+    }
+    group[v] = chosen;
+  }
+  for (ValueId v = 0; v < n; ++v)
+    if (group[v] >= 0) m.at(v).attrs[kFusionAttr] = static_cast<int64_t>(group[v]);
+  return had || !first_member.empty();
+}
+
+}  // namespace shardstep::ir

@@ -1,0 +1,81 @@
+// CompiledStep: a module compiled for the CPU backend: the JIT'd fused kernels plus the schedule the
+// step driver runs (kernels, oneDNN matmuls, native data movement, collectives, and the reference
+// kernels of the interpreter for the few ops with no native lowering yet).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ir/module.h"
+#include "jit/jit_compiler.h"
+#include "jit/kernel_emitter.h"
+#include "runtime/collectives.h"
+#include "runtime/interpreter.h"
+
+namespace shardstep::jit {
+
+struct CompileInfo {
+  double seconds = 0;      // wall time of Compile (fusion, emission, O3, codegen, or cache load)
+  std::string source;      // "compiled", "disk cache", "memory cache"
+  std::string key;         // cache key (hash of module, emitter version and target)
+  int kernels = 0;         // fused loops
+  int fused_ops = 0;       // instructions inside them
+};
+
+// How each instruction of the step runs (for tests and `--emit`).
+enum class Lowering { kLeaf, kAlias, kFused, kNative, kMatmul, kCollective, kReference };
+Lowering LoweringOf(const ir::Module& m, ir::ValueId v);
+
+class CompiledStep;
+
+// Per-replica buffers of one CompiledStep: allocated at the first Run, reused by every later step.
+struct Workspace {
+  const CompiledStep* owner = nullptr;
+  std::vector<runtime::Tensor> owned;
+  std::vector<void*> ptr;
+  std::vector<void*> bufs;
+  std::vector<double> scratch;
+};
+
+class CompiledStep {
+ public:
+  // Fuses (ElementwiseFuser on a copy), emits and compiles `m`, or takes it from the in-memory or
+  // disk cache.
+  static std::shared_ptr<const CompiledStep> Compile(const ir::Module& m, const JitOptions& options = {});
+  ~CompiledStep();
+
+  const ir::Module& module() const { return m_; }  // with "fusion" attributes
+  const CompileInfo& info() const { return info_; }
+  const std::vector<FusedKernel>& kernels() const { return kernels_; }
+
+  // One step as replica `replica`, with the semantics of runtime::RunStep: returns the outputs and
+  // writes each assigned variable's new value into `variables`.
+  runtime::TensorMap Run(runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
+                         runtime::Collectives* collectives, Workspace* ws) const;
+
+ private:
+  struct Step {
+    int kernel = -1;           // >= 0: run kernels_[kernel]
+    ir::ValueId value = -1;    // else: instruction `value`
+  };
+  CompiledStep() = default;
+  void Plan();
+  void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
+                runtime::Collectives* c, Workspace* ws) const;
+  void Allocate(Workspace* ws) const;
+
+  ir::Module m_;
+  CompileInfo info_;
+  std::vector<FusedKernel> kernels_;
+  std::vector<KernelFn> fns_;
+  std::vector<Step> schedule_;
+  std::vector<char> needs_buffer_;             // per value
+  std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
+  std::shared_ptr<JitCompiler> jit_;
+};
+
+// The LLVM IR of `m`'s fused kernels after O3 (`shardstep compile --emit=llvm`).
+std::string EmitLlvmIr(const ir::Module& m);
+
+}  // namespace shardstep::jit

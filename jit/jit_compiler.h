@@ -1,0 +1,60 @@
+// JitCompiler: a small wrapper around LLVM 14 ORC LLJIT: Create(options), AddModule, Lookup, with an
+// on-disk object cache (llvm::ObjectCache) keyed by the caller's hash of module and target.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace llvm {
+class LLVMContext;
+class Module;
+}  // namespace llvm
+
+namespace shardstep::jit {
+
+struct JitOptions {
+  // Directory of cached objects; empty: $XDG_CACHE_HOME/shardstep, else ~/.cache/shardstep.
+  std::string cache_dir;
+  bool disk_cache = true;  // SHARDSTEP_JIT_CACHE=0 in the environment also turns it off
+};
+
+// Where cached objects live for `options` (resolves the default).
+std::string CacheDirectory(const JitOptions& options);
+
+class JitCompiler {
+ public:
+  static std::unique_ptr<JitCompiler> Create(const JitOptions& options = {});
+  ~JitCompiler();
+
+  // "triple/cpu/features": part of every cache key, so an object never runs on another CPU.
+  const std::string& target_key() const;
+
+  // Loads the object cached under `key` into the JIT. False when there is none, or when it is
+  // corrupt (bad magic, size or checksum): the entry is then deleted and the caller compiles.
+  bool AddCachedObject(const std::string& key);
+  // Optimises `module` at O3 for the host (no FP contraction, no fast-math) and adds it; its object
+  // is stored in the disk cache under `key` when it is compiled (at the first Lookup).
+  void AddModule(std::unique_ptr<llvm::Module> module, std::unique_ptr<llvm::LLVMContext> context,
+                 const std::string& key);
+  // The address of a function defined by an added module (compiles on first use).
+  void* Lookup(const std::string& name);
+
+  // The O3 pipeline alone (used by AddModule and by `--emit=llvm`).
+  void Optimize(llvm::Module& module);
+
+  // Number of objects loaded from / written to the disk cache, and corrupt entries rejected.
+  int cache_hits() const;
+  int cache_writes() const;
+  int cache_rejects() const;
+
+ private:
+  struct Impl;
+  explicit JitCompiler(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// FNV-1a 64 of `data`, printed as 16 hex digits.
+std::string HashHex(const std::string& data);
+
+}  // namespace shardstep::jit
