@@ -10,7 +10,10 @@
 #include "ir/memory_plan.h"
 #include "ir/passes/pipeline.h"
 #include "ir/passes/weight_update_sharder.h"
+#include "ir/passes/elementwise_fuser.h"
 #include "ir/printer.h"
+#include "jit/compiled_step.h"
+#include "jit/cpu_executor.h"
 #include "models/models.h"
 #include "runtime/checkpoint.h"
 #include "runtime/executor.h"
@@ -43,6 +46,7 @@ struct ProgramFlags {
   double end_lr_factor = 0;
   double power = 1.0;
   double trust_coefficient = 0.001;
+  double initial_accumulator = 0.0;
   std::string replica_groups;          // "AxB": A groups of B replicas each
   std::string shard_weight_update = "auto";
   std::string gather_weights = "end";
@@ -75,6 +79,8 @@ void AddProgramFlags(CLI::App* app, ProgramFlags* f) {
   app->add_option("--end-lr-factor", f->end_lr_factor, "final lr / base lr for decays")->check(CLI::Range(0.0, 1.0));
   app->add_option("--power", f->power, "polynomial decay power")->check(CLI::PositiveNumber);
   app->add_option("--trust-coefficient", f->trust_coefficient, "LARS eta")->check(CLI::PositiveNumber);
+  app->add_option("--initial-accumulator", f->initial_accumulator, "Adagrad's initial accumulator value")
+      ->check(CLI::NonNegativeNumber);
   app->add_option("--replica-groups", f->replica_groups, "AxB: data parallel within A groups of B replicas");
   app->add_option("--shard-weight-update", f->shard_weight_update, "on|off|auto (auto: on when replicas > 1)")
       ->check(CLI::IsMember({"on", "off", "auto"}))->capture_default_str();
@@ -94,7 +100,7 @@ ir::OptimizerConfig OptimizerFromFlags(const ProgramFlags& f, int64_t steps) {
   ir::OptimizerKind kind;
   ir::ParseOptimizerKind(f.optimizer, &kind);
   c.kind(kind).lr(f.lr).betas(f.beta1, f.beta2).weight_decay(f.weight_decay).clip_global_norm(f.clip_norm)
-      .trust_coefficient(f.trust_coefficient);
+      .trust_coefficient(f.trust_coefficient).initial_accumulator(f.initial_accumulator);
   if (kind == ir::OptimizerKind::kMomentum || kind == ir::OptimizerKind::kLars) c.momentum(f.momentum).nesterov(f.nesterov);
   c.eps(f.eps >= 0 ? f.eps : kind == ir::OptimizerKind::kAdagrad ? 1e-10 : kind == ir::OptimizerKind::kLamb ? 1e-6 : 1e-8);
   ir::ScheduleKind sk;
@@ -161,6 +167,7 @@ struct TrainFlags {
   bool no_shuffle = false;
   std::string save, load, save_init, metrics_out;
   int64_t log_every = 100, eval_every = 0, eval_batch = 1000;
+  std::string backend = "cpu";
 };
 
 int RunTrain(const TrainFlags& t) {
@@ -195,10 +202,19 @@ int RunTrain(const TrainFlags& t) {
   for (ir::ValueId v : program.step.VariablesWithRole(ir::kRoleWeight)) params += program.step.type(v).elements();
   std::cout << "model " << spec.name << " (" << params << " parameters), " << t.dataset << " (" << train.size()
             << " train / " << test.size() << " test), batch " << t.program.batch << ", " << t.program.replicas
-            << " replica(s), " << program.options.optimizer.ToString() << ", backend interp\n"
+            << " replica(s), " << program.options.optimizer.ToString() << ", backend " << t.backend << "\n"
             << ir::PlanMemory(program.step).ToString();
 
-  auto exec = runtime::MakeInterpreterExecutor(program.step, state);
+  std::unique_ptr<runtime::Executor> exec;
+  if (t.backend == "cpu") {
+    auto cpu = std::make_unique<jit::CpuExecutor>(program.step, state);
+    const jit::CompileInfo& ci = cpu->compile_info();
+    std::cout << "jit: " << ci.kernels << " fused kernels (" << ci.fused_ops << " ops), " << ci.source << " in "
+              << ci.seconds << " s" << (ci.rejected_corrupt ? " (a corrupt cache entry was rejected)" : "") << "\n";
+    exec = std::move(cpu);
+  } else {
+    exec = runtime::MakeInterpreterExecutor(program.step, state);
+  }
   runtime::TrainOptions o;
   o.steps = t.steps;
   o.batch = t.program.batch;
@@ -231,7 +247,9 @@ int RunCompile(const ProgramFlags& f, const std::string& emit, const std::string
                                                             {"dp", "data-parallel-lowering"},
                                                             {"opt", "optimizer-lowering"},
                                                             {"sharded", "weight-update-sharder"},
-                                                            {"combined", "collective-combiner"}};
+                                                            {"combined", "collective-combiner"},
+                                                            {"fused", "collective-combiner"},
+                                                            {"llvm", "collective-combiner"}};
     ir::Module full = module;
     ir::PassPipeline pipeline = ir::BuildTrainingPipeline(po);
     pipeline.OnPass([&](const ir::Pass& p, const ir::Module& mod) {
@@ -247,7 +265,8 @@ int RunCompile(const ProgramFlags& f, const std::string& emit, const std::string
       return 0;
     }
   }
-  std::string text = ir::Print(module);
+  if (emit == "fused") ir::ElementwiseFuser().Run(module);
+  std::string text = emit == "llvm" ? jit::EmitLlvmIr(module) : ir::Print(module);
   if (out_path.empty()) {
     std::cout << text;
   } else {
@@ -277,6 +296,8 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--metrics-out", train.metrics_out, "write per-step metrics as JSON Lines");
   train_cmd->add_option("--log-every", train.log_every, "progress line every N steps")->check(CLI::PositiveNumber);
   train_cmd->add_option("--eval-every", train.eval_every, "evaluate every N steps (0: at the end)")->check(CLI::NonNegativeNumber);
+  train_cmd->add_option("--backend", train.backend, "interp (reference interpreter) | cpu (LLVM JIT)")
+      ->check(CLI::IsMember({"interp", "cpu"}))->capture_default_str();
   train_cmd->add_option("--eval-batch", train.eval_batch, "evaluation batch (divides 10000)")->check(CLI::PositiveNumber);
   // Scripted runs: `shardstep train --config run.toml` reads the [train] table of a TOML/INI file;
   // flags given on the command line win over the file.
@@ -287,8 +308,8 @@ int main(int argc, char** argv) {
   CLI::App* compile_cmd = app.add_subcommand("compile", "build a model's training step and print a stage of it");
   AddProgramFlags(compile_cmd, &compile);
   bool report = false;
-  compile_cmd->add_option("--emit", emit, "stop after a stage and print it: ir|grad|dp|opt|sharded|combined")
-      ->check(CLI::IsMember({"ir", "grad", "dp", "opt", "sharded", "combined"}))->capture_default_str();
+  compile_cmd->add_option("--emit", emit, "stop after a stage and print it: ir|grad|dp|opt|sharded|combined|fused|llvm")
+      ->check(CLI::IsMember({"ir", "grad", "dp", "opt", "sharded", "combined", "fused", "llvm"}))->capture_default_str();
   compile_cmd->add_flag("--report", report, "print the per-variable sharding table and per-replica memory instead");
   compile_cmd->add_option("-o,--output", out_path, "write to this file instead of stdout");
 

@@ -21,6 +21,7 @@ struct CompileInfo {
   std::string key;         // cache key (hash of module, emitter version and target)
   int kernels = 0;         // fused loops
   int fused_ops = 0;       // instructions inside them
+  bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
 };
 
 // How each instruction of the step runs (for tests and `--emit`).
@@ -33,6 +34,7 @@ class CompiledStep;
 struct Workspace {
   const CompiledStep* owner = nullptr;
   std::vector<runtime::Tensor> owned;
+  std::vector<char> is_owned;
   std::vector<void*> ptr;
   std::vector<void*> bufs;
   std::vector<double> scratch;

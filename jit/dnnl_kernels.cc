@@ -3,13 +3,12 @@
 
 #include <dlfcn.h>
 #include <dnnl.h>
+#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <thread>
 
 #include "ir/error.h"
-
-extern "C" void openblas_set_num_threads(int);
 
 namespace shardstep::jit {
 
@@ -32,9 +31,38 @@ GetThreads OmpGet() {
 int OmpMaxThreads() { return OmpGet() ? OmpGet()() : -1; }
 
 void ConfigureThreadsForReplica(int replicas) {
-  static const bool blas_once = (openblas_set_num_threads(1), true);
+  static const bool blas_once = [] {  // OpenBLAS (the interpreter's BLAS) stays single-threaded
+    if (auto f = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(1);
+    return true;
+  }();
   (void)blas_once;
-  if (SetThreads f = OmpSet()) f(std::max(1, NumCores() / std::max(1, replicas)));
+  SetOmpThreads(1);
+}
+
+void SetOmpThreads(int n) {
+  if (SetThreads f = OmpSet()) f(std::max(1, n));
+}
+
+void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, float* c) {
+  // About 2M multiply-adds per block at least, at most 8 blocks, rows a multiple of 8.
+  const int64_t work = m * n * k;
+  int64_t blocks = std::clamp<int64_t>(work >> 21, 1, 8);
+  blocks = std::min<int64_t>(blocks, std::max<int64_t>(1, m / 8));
+  int64_t rows = (m + blocks - 1) / blocks;
+  rows = (rows + 7) / 8 * 8;
+  blocks = (m + rows - 1) / rows;
+  auto run = [&](int64_t blk) {
+    thread_local const bool single = (SetOmpThreads(1), true);
+    (void)single;
+    const int64_t r0 = blk * rows, mb = std::min(rows, m - r0);
+    DnnlSgemm(ta, tb, mb, n, k, a + (ta ? r0 : r0 * lda), lda, b, ldb, 0.0f, c + r0 * n, n);
+  };
+  if (blocks <= 1) {
+    run(0);
+    return;
+  }
+  tbb::parallel_for(int64_t{0}, blocks, run);
 }
 
 void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,

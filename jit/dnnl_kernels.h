@@ -10,11 +10,20 @@ namespace shardstep::jit {
 void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float beta, float* c, int64_t ldc);
 
-// Threading policy. Debian's libdnnl uses OpenMP (libgomp). Call from each replica thread before
-// its first oneDNN call: with `replicas` threads sharing the machine each gets
-// max(1, cores / replicas) OpenMP threads (omp_set_num_threads is per calling thread). OpenBLAS is
-// set to one thread (the interpreter does the same); TBB runs the fused loops.
+// The step's matmul: C = op(A) op(B) split into row blocks whose boundaries depend only on the
+// shapes, run as TBB tasks, each one single-threaded dnnl_sgemm. So TBB alone owns the cores: no
+// OpenMP team is ever started by a step, and no OpenMP worker spins after a call.
+void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, float* c);
+
+// Threading policy. Debian's libdnnl uses OpenMP (libgomp), whose workers spin after each parallel
+// call and were seen taking half the machine from TBB. So every oneDNN call made by a step runs
+// with one OpenMP thread (omp_set_num_threads is per calling thread; ParallelSgemm sets it in each
+// TBB worker), OpenBLAS (the interpreter's BLAS) runs one thread, and TBB splits the work. Call from
+// each replica thread before its first step.
 void ConfigureThreadsForReplica(int replicas);
+// omp_set_num_threads(n) on the calling thread (benchmarks use it to measure oneDNN's own threading).
+void SetOmpThreads(int n);
 // The hardware threads this process may use.
 int NumCores();
 // Threads oneDNN's OpenMP would use on the calling thread (omp_get_max_threads), or -1 if unknown.

@@ -17,6 +17,7 @@ struct JitOptions {
   // Directory of cached objects; empty: $XDG_CACHE_HOME/shardstep, else ~/.cache/shardstep.
   std::string cache_dir;
   bool disk_cache = true;  // SHARDSTEP_JIT_CACHE=0 in the environment also turns it off
+  bool memory_cache = true;  // reuse a step compiled earlier in this process
 };
 
 // Where cached objects live for `options` (resolves the default).

@@ -5,7 +5,9 @@
 //  2. For each fusible instruction v (IsFusible), try the groups of its operands, first operand
 //     first: v joins group g when g's members have v's shape and joining creates no cycle, i.e. no
 //     operand of v outside g depends (through non-members) on a member of g. Otherwise v starts a
-//     new group.
+//     new group. Further operand groups of v's shape are merged into v's group when no path leaves
+//     one and re-enters the other (so independent chains that meet, like Adam's m and v updates,
+//     end up in one loop).
 //  3. Number the groups densely in order of their first member and write "fusion"=<id>.
 // Why: the optimizer update of a tensor (Adam: ~15 elementwise ops) becomes one loop over memory
 // instead of one loop per op, so it moves 7 words per parameter instead of ~40. Scalar operands
@@ -50,33 +52,64 @@ bool ElementwiseFuser::Run(Module& m) {
   for (Instr& in : m.instrs) had |= in.attrs.erase(kFusionAttr) > 0;
   const int n = m.size();
   std::vector<int> group(n, -1), seen(n, -1);
-  std::vector<ValueId> first_member;
-  std::vector<Shape> group_shape;
+  std::vector<ValueId> first;             // per group: its first member (groups only grow downwards)
+  std::vector<std::vector<ValueId>> members;
+  std::vector<Shape> shape;
   int stamp = 0;
+  // Would operand `p` of a member of `into` (or of the new member) close a cycle through group `g`?
+  auto reaches = [&](ValueId p, int g) { return DependsOnGroup(m, group, p, g, first[g], seen, ++stamp); };
+  // May groups a and b become one? Only if no path leaves one and enters the other.
+  auto can_merge = [&](int a, int b) {
+    for (int x : {a, b}) {
+      const int y = x == a ? b : a;
+      for (ValueId v : members[x])
+        for (ValueId p : m.at(v).operands)
+          if (group[p] != a && group[p] != b && reaches(p, y)) return false;
+    }
+    return true;
+  };
   for (ValueId v = 0; v < n; ++v) {
     if (!IsFusible(m, v)) continue;
     const Instr& in = m.at(v);
     int chosen = -1;
     for (ValueId o : in.operands) {
       const int g = group[o];
-      if (g < 0 || group_shape[g] != in.type.shape) continue;
-      bool cycle = false;
-      for (ValueId p : in.operands) {
-        if (group[p] == g) continue;
-        if (DependsOnGroup(m, group, p, g, first_member[g], seen, ++stamp)) { cycle = true; break; }
+      if (g < 0 || g == chosen || shape[g] != in.type.shape) continue;
+      if (chosen < 0) {
+        // v joins g unless one of its other operands depends on g through a non-member.
+        bool cycle = false;
+        for (ValueId p : in.operands)
+          if (group[p] != g && reaches(p, g)) { cycle = true; break; }
+        if (!cycle) chosen = g;
+      } else if (can_merge(chosen, g)) {
+        // A second operand group: merge it into the chosen one (v's own operands are checked below).
+        bool cycle = false;
+        for (ValueId p : in.operands)
+          if (group[p] != g && group[p] != chosen && (reaches(p, g) || reaches(p, chosen))) { cycle = true; break; }
+        if (cycle) continue;
+        for (ValueId x : members[g]) group[x] = chosen;
+        members[chosen].insert(members[chosen].end(), members[g].begin(), members[g].end());
+        members[g].clear();
+        first[chosen] = std::min(first[chosen], first[g]);
       }
-      if (!cycle) { chosen = g; break; }
     }
     if (chosen < 0) {
-      chosen = static_cast<int>(first_member.size());
-      first_member.push_back(v);
-      group_shape.push_back(in.type.shape);
+      chosen = static_cast<int>(first.size());
+      first.push_back(v);
+      members.emplace_back();
+      shape.push_back(in.type.shape);
     }
     group[v] = chosen;
+    members[chosen].push_back(v);
   }
+  // Dense ids in order of each group's first member.
+  std::vector<int> id(first.size(), -1);
+  int next = 0;
   for (ValueId v = 0; v < n; ++v)
-    if (group[v] >= 0) m.at(v).attrs[kFusionAttr] = static_cast<int64_t>(group[v]);
-  return had || !first_member.empty();
+    if (group[v] >= 0 && id[group[v]] < 0) id[group[v]] = next++;
+  for (ValueId v = 0; v < n; ++v)
+    if (group[v] >= 0) m.at(v).attrs[kFusionAttr] = static_cast<int64_t>(id[group[v]]);
+  return had || next > 0;
 }
 
 }  // namespace shardstep::ir

@@ -158,8 +158,10 @@ bool OptimizerLowering::Run(Module& m) {
   for (auto [w, g] : grads) {
     const std::string& wname = m.at(w).name;
     TensorType wt = m.type(w);
-    auto slot = [&](const std::string& name) {
-      return b.Variable(wname + "/" + name, wt, kRoleOptimizerState, {{"init", std::string("zeros")}});
+    auto slot = [&](const std::string& name, double init = 0.0) {
+      Attrs a{{"init", std::string("zeros")}};
+      if (init != 0.0) a = {{"init", std::string("constant")}, {"value", init}};
+      return b.Variable(wname + "/" + name, wt, kRoleOptimizerState, a);
     };
     auto S = [&](ValueId scalar) { return b.BroadcastTo(scalar, w); };
     auto C = [&](double v) { return b.ScalarLike(v, w); };
@@ -195,7 +197,7 @@ bool OptimizerLowering::Run(Module& m) {
         break;
       }
       case OptimizerKind::kAdagrad: {
-        ValueId acc = slot("sum");
+        ValueId acc = slot("sum", c.initial_accumulator_);
         ValueId d = with_decay(g);
         ValueId na = b.Add(acc, b.Mul(d, d));
         ValueId std_ = b.Add(b.Unary(OpCode::kSqrt, na), C(c.eps_));

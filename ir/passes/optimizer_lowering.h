@@ -27,6 +27,7 @@ struct OptimizerConfig {
   double weight_decay_ = 0.0;
   double clip_norm_ = 0.0;  // 0: no global-norm clipping
   double trust_coefficient_ = 0.001;  // LARS eta
+  double initial_accumulator_ = 0.0;  // Adagrad's accumulator starts here (PyTorch's initial_accumulator_value)
   ScheduleKind schedule_ = ScheduleKind::kConstant;
   int64_t warmup_steps_ = 0;
   int64_t total_steps_ = 0;  // decay horizon for cosine / polynomial
@@ -42,6 +43,7 @@ struct OptimizerConfig {
   OptimizerConfig& weight_decay(double v) { weight_decay_ = v; return *this; }
   OptimizerConfig& clip_global_norm(double v) { clip_norm_ = v; return *this; }
   OptimizerConfig& trust_coefficient(double v) { trust_coefficient_ = v; return *this; }
+  OptimizerConfig& initial_accumulator(double v) { initial_accumulator_ = v; return *this; }
   OptimizerConfig& warmup(int64_t steps) { warmup_steps_ = steps; if (schedule_ == ScheduleKind::kConstant) schedule_ = ScheduleKind::kWarmupConstant; return *this; }
   OptimizerConfig& cosine_decay(int64_t total, double end_factor = 0.0) { schedule_ = ScheduleKind::kCosine; total_steps_ = total; end_lr_factor_ = end_factor; return *this; }
   OptimizerConfig& polynomial_decay(int64_t total, double power = 1.0, double end_factor = 0.0) { schedule_ = ScheduleKind::kPolynomial; total_steps_ = total; power_ = power; end_lr_factor_ = end_factor; return *this; }

@@ -34,7 +34,9 @@ def make_optimizer(a, params):
     if a.optimizer == "momentum": return torch.optim.SGD(params, lr=a.lr, momentum=a.momentum, nesterov=a.nesterov, weight_decay=wd)
     if a.optimizer == "adam": return torch.optim.Adam(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
     if a.optimizer == "adamw": return torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=wd)
-    if a.optimizer == "adagrad": return torch.optim.Adagrad(params, lr=a.lr, eps=1e-10, weight_decay=wd)
+    if a.optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=a.lr, eps=1e-10, weight_decay=wd,
+                                   initial_accumulator_value=a.initial_accumulator)
     raise SystemExit(f"unknown optimizer {a.optimizer}")
 
 
@@ -46,6 +48,7 @@ def main():
     ap.add_argument("--lr", type=float, help="default: sgd 0.1, momentum 0.05, adam/adamw 1e-3, adagrad 0.01")
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--nesterov", action="store_true")
+    ap.add_argument("--initial-accumulator", type=float, default=0.0, help="Adagrad's initial accumulator")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                     help="torch precision (float64 where torch's own float32 rounding is amplified past --tol)")
     a = ap.parse_args()
@@ -55,6 +58,7 @@ def main():
 
     extra = ["--model", a.model, "--optimizer", a.optimizer, "--lr", repr(a.lr), "--weight-decay", repr(a.weight_decay)]
     if a.model == "mlp": extra += ["--hidden", a.hidden]
+    if a.optimizer == "adagrad": extra += ["--initial-accumulator", repr(a.initial_accumulator)]
     if a.optimizer == "momentum": extra += ["--momentum", repr(a.momentum)] + (["--nesterov"] if a.nesterov else [])
     with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
         init, ours, secs = pc.run_shardstep(a, extra, tmp)

@@ -1,2 +1,1326 @@
+// WeightUpdateSharder tests: IR text in, IR text out (CHECK lines on the printed module), and the
+// numbers: the module before and after the pass train side by side on N replica threads
+// (InProcessCollectives), bitwise equal for elementwise updates, within 1e-6 where norms are involved.
 #include <catch2/catch.hpp>
-TEST_CASE("placeholder") {}
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ir/error.h"
+#include "ir/parser.h"
+#include "ir/passes/collective_combiner.h"
+#include "ir/passes/weight_update_sharder.h"
+#include "ir/printer.h"
+#include "ir/shard_format.h"
+#include "ir/verifier.h"
+#include "runtime/inprocess_collectives.h"
+#include "runtime/interpreter.h"
+#include "runtime/replica_runner.h"
+#include "runtime/sharding.h"
+
+namespace shardstep::ir {
+namespace {
+
+using runtime::Tensor;
+using runtime::TensorMap;
+
+// ---- CHECK lines: a small FileCheck ----
+//
+// Each non-empty line of `checks` is "CHECK: p", "CHECK-NEXT: p" or "CHECK-NOT: p". A pattern p is
+// literal text except {{regex}}, [[NAME:regex]] (matches regex and binds NAME) and [[NAME]] (the text
+// NAME was bound to). CHECK matches the first line at or after the line following the previous match;
+// CHECK-NEXT must match exactly that line; CHECK-NOT must match no line between the surrounding
+// matches (or up to the end). Returns "" on success, else what failed followed by the text.
+
+std::string EscapeRegex(const std::string& s) {
+  static const std::string kSpecial = R"(\^$.|?*+()[]{})";
+  std::string out;
+  for (char c : s) {
+    if (kSpecial.find(c) != std::string::npos) out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+struct Pattern {
+  std::regex re;
+  std::vector<std::pair<std::string, size_t>> binds;  // (name, capture group)
+};
+
+Pattern CompilePattern(const std::string& p, const std::map<std::string, std::string>& vars) {
+  static const std::regex kVar(R"(^\[\[([A-Za-z_][A-Za-z0-9_]*)(:|\]\]))");
+  Pattern out;
+  std::string re;
+  size_t groups = 0, i = 0;
+  std::smatch m;
+  while (i < p.size()) {
+    std::string rest = p.substr(i);
+    if (rest.rfind("{{", 0) == 0) {
+      size_t e = p.find("}}", i + 2);
+      if (e == std::string::npos) throw std::runtime_error("unterminated {{ in " + p);
+      std::string r = p.substr(i + 2, e - i - 2);
+      groups += std::regex(r).mark_count();
+      re += "(?:" + r + ")";
+      i = e + 2;
+    } else if (std::regex_search(rest, m, kVar)) {
+      const std::string name = m[1];
+      if (m[2] == "]]") {
+        auto it = vars.find(name);
+        if (it == vars.end()) throw std::runtime_error("undefined [[" + name + "]] in " + p);
+        re += EscapeRegex(it->second);
+        i += m[0].length();
+      } else {
+        size_t e = p.find("]]", i + m[0].length());
+        if (e == std::string::npos) throw std::runtime_error("unterminated [[ in " + p);
+        std::string r = p.substr(i + m[0].length(), e - i - m[0].length());
+        out.binds.push_back({name, ++groups});
+        groups += std::regex(r).mark_count();
+        re += "(" + r + ")";
+        i = e + 2;
+      }
+    } else {
+      re += EscapeRegex(std::string(1, p[i]));
+      ++i;
+    }
+  }
+  out.re = std::regex(re);
+  return out;
+}
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream is(text);
+  for (std::string l; std::getline(is, l);) lines.push_back(l);
+  return lines;
+}
+
+std::string FileCheck(const std::string& text, const std::string& checks) {
+  const std::vector<std::string> lines = Lines(text);
+  std::map<std::string, std::string> vars;
+  std::vector<std::string> nots;
+  size_t pos = 0;  // first line the next CHECK may match
+  auto failed = [&](const std::string& why) { return why + "\n--- in ---\n" + text; };
+  auto check_nots = [&](size_t from, size_t to) -> std::string {
+    for (const std::string& n : nots) {
+      Pattern p = CompilePattern(n, vars);
+      for (size_t k = from; k < to; ++k)
+        if (std::regex_search(lines[k], p.re))
+          return "CHECK-NOT: " + n + "\n  matched line " + std::to_string(k + 1) + ": " + lines[k];
+    }
+    nots.clear();
+    return "";
+  };
+  for (std::string c : Lines(checks)) {
+    c.erase(0, c.find_first_not_of(" \t"));
+    if (c.empty()) continue;
+    std::string directive = c.substr(0, c.find(':'));
+    std::string pattern = c.substr(std::min(c.size(), directive.size() + 1));
+    pattern.erase(0, pattern.find_first_not_of(' '));
+    if (directive == "CHECK-NOT") {
+      nots.push_back(pattern);
+      continue;
+    }
+    if (directive != "CHECK" && directive != "CHECK-NEXT") return "bad check line: " + c;
+    Pattern p = CompilePattern(pattern, vars);
+    std::smatch m;
+    size_t found = lines.size();
+    if (directive == "CHECK-NEXT") {
+      if (pos < lines.size() && std::regex_search(lines[pos], m, p.re)) found = pos;
+    } else {
+      for (size_t k = pos; k < lines.size(); ++k)
+        if (std::regex_search(lines[k], m, p.re)) {
+          found = k;
+          break;
+        }
+    }
+    if (found == lines.size())
+      return failed(directive + ": " + pattern + "\n  not found from line " + std::to_string(pos + 1));
+    if (std::string e = check_nots(pos, found); !e.empty()) return failed(e);
+    for (auto& [name, group] : p.binds) vars[name] = m[group].str();
+    pos = found + 1;
+  }
+  if (std::string e = check_nots(pos, lines.size()); !e.empty()) return failed(e);
+  return "";
+}
+
+int Count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (size_t p = text.find(needle); p != std::string::npos; p = text.find(needle, p + 1)) ++n;
+  return n;
+}
+
+int CountOps(const Module& m, OpCode op) {
+  int n = 0;
+  for (const Instr& in : m.instrs) n += in.op == op;
+  return n;
+}
+
+TEST_CASE("the CHECK-line helper finds, binds and rejects", "[weight-update-sharder][filecheck]") {
+  const std::string text = "%1 = a(%0) : f32[2]\n%2 = b(%1) {x=[[0,1]]} : f32[2]\n%3 = c(%2) : f32[]\n";
+  CHECK(FileCheck(text, "CHECK: [[A:%\\d+]] = a(%0)\nCHECK-NEXT: b([[A]]) {x=[[0,1]]}\nCHECK: c(") == "");
+  CHECK(FileCheck(text, "CHECK: c(\nCHECK: a(") != "");                    // order matters
+  CHECK(FileCheck(text, "CHECK: a(\nCHECK-NEXT: c(") != "");                // NEXT is the next line
+  CHECK(FileCheck(text, "CHECK: [[A:%\\d+]] = a(\nCHECK: c([[A]])") != "");  // %1 is not c's operand
+  CHECK(FileCheck(text, "CHECK: a(\nCHECK-NOT: b(\nCHECK: c(") != "");
+  CHECK(FileCheck(text, "CHECK: a(\nCHECK-NOT: z(\nCHECK: c(") == "");
+  CHECK(FileCheck(text, "CHECK-NOT: {{[bc]}}(%{{\\d}}) : f32[]") != "");  // checked to the end
+  CHECK(FileCheck(text, "CHECK-NOT: a(%{{\\d}}) : f32[]") == "");           // outside {{}} text is literal
+  CHECK(Count(text, " : f32[") == 3);
+}
+
+// ---- Running the pass ----
+
+struct Sharded {
+  Module before, after;
+  std::string text;  // Print(after)
+  bool changed = false;
+  ShardingReport report;
+};
+
+Sharded RunSharder(const std::string& text, ShardingOptions o = {}) {
+  Sharded s;
+  s.before = Parse(text);
+  Verify(s.before);
+  s.after = s.before;
+  WeightUpdateSharder pass(o);
+  s.changed = pass.Run(s.after);
+  Verify(s.after);
+  s.text = Print(s.after);
+  s.report = pass.report();
+  CHECK(Parse(s.text) == s.after);  // the result round-trips through the text form
+  return s;
+}
+
+// ---- Running the modules: N replica threads, one TensorMap of variables per replica ----
+
+Tensor RandomTensor(const TensorType& t, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
+  Tensor out(t);  // s32 (step counters) start at zero
+  if (t.dtype == DType::kF32) {
+    std::uniform_real_distribution<float> d(lo, hi);
+    for (float& x : out.f32) x = d(rng);
+  }
+  return out;
+}
+
+// Random logical state for every variable (of its logical type when sharded): weights in [-1, 1),
+// optimizer state in [0, 1) (Adam's and LAMB's v must not be negative).
+TensorMap RandomLogicalState(const Module& m, std::mt19937& rng) {
+  TensorMap state;
+  const std::map<std::string, TensorType> types = runtime::LogicalTypes(m);
+  for (ValueId v : m.Variables()) {
+    const bool state_var = m.at(v).GetString("role", "") == kRoleOptimizerState;
+    state[m.at(v).name] = RandomTensor(types.at(m.at(v).name), rng, state_var ? 0.0f : -1.0f, 1.0f);
+  }
+  return state;
+}
+
+// inputs[step][replica]: every replica gets its own batch.
+std::vector<std::vector<TensorMap>> RandomInputs(const Module& m, int steps, std::mt19937& rng) {
+  std::vector<std::vector<TensorMap>> inputs(steps, std::vector<TensorMap>(m.num_replicas));
+  for (auto& step : inputs)
+    for (TensorMap& replica : step)
+      for (ValueId v : m.Inputs()) replica[m.at(v).name] = RandomTensor(m.type(v), rng, -2.0f, 2.0f);
+  return inputs;
+}
+
+struct Run {
+  std::vector<std::vector<TensorMap>> states;   // [step][replica], after the step
+  std::vector<std::vector<TensorMap>> outputs;  // [step][replica]
+};
+
+Run Train(const Module& m, const TensorMap& logical, const std::vector<std::vector<TensorMap>>& inputs) {
+  const int n = m.num_replicas;
+  std::vector<TensorMap> states(n);
+  for (int r = 0; r < n; ++r) states[r] = runtime::ReplicaState(m, logical, r);
+  runtime::InProcessCollectives collectives(n);
+  Run run;
+  for (const auto& step : inputs) {
+    std::vector<TensorMap> outs(n);
+    runtime::RunReplicas(n, &collectives, [&](int r) {
+      outs[r] = runtime::RunStep(m, states[r], step[r], r, &collectives);
+    });
+    run.states.push_back(states);
+    run.outputs.push_back(outs);
+  }
+  return run;
+}
+
+// "" when a and b agree: bitwise for tol == 0, else |a - b| <= tol * (1 + |b|) element by element.
+// The reference b must be finite (a NaN on both sides would prove nothing).
+std::string Compare(const std::string& what, const Tensor& a, const Tensor& b, double tol) {
+  if (a.type != b.type) return what + ": type " + a.type.ToString() + " vs " + b.type.ToString();
+  for (int64_t i = 0; i < b.elements(); ++i)
+    if (!std::isfinite(b.at(i))) return Str(what, ": the reference is not finite at element ", i, ": ", b.at(i));
+  if (tol == 0) {
+    if (a == b) return "";
+    for (int64_t i = 0; i < a.elements(); ++i)
+      if (a.dtype() == DType::kF32 ? std::memcmp(&a.f32[i], &b.f32[i], sizeof(float)) != 0 : a.s32[i] != b.s32[i])
+        return Str(what, ": element ", i, " differs bitwise: ", a.at(i), " vs ", b.at(i));
+    return what + ": differs";
+  }
+  for (int64_t i = 0; i < a.elements(); ++i) {
+    const double x = a.at(i), y = b.at(i);
+    if (!(std::fabs(x - y) <= tol * (1 + std::fabs(y))))
+      return Str(what, ": element ", i, ": ", x, " vs ", y, " (tolerance ", tol, ")");
+  }
+  return "";
+}
+
+// Trains `before` (replicated) and `after` (sharded) from the same logical state on the same
+// per-replica batches and compares after every step: every replica's copy of the variables that stay
+// whole, each replica group's logical state (sharded variables reassembled with LogicalStateFrom), and
+// every replica's outputs. Returns "" when all agree, else the first mismatches and their count; also
+// fails when training did not move the weights (the comparison would prove nothing).
+std::string TrainingDifference(const Module& before, const Module& after, double tol, int group_size = 0,
+                               int steps = 3, unsigned seed = 7) {
+  if (before.num_replicas != after.num_replicas) return "replica counts differ";
+  const int n = before.num_replicas, g = group_size > 0 ? group_size : n;
+  std::mt19937 rng(seed);
+  const TensorMap logical = RandomLogicalState(before, rng);
+  const auto inputs = RandomInputs(before, steps, rng);
+  const Run rb = Train(before, logical, inputs), ra = Train(after, logical, inputs);
+  std::vector<std::string> diffs;
+  auto note = [&](const std::string& where, const std::string& d) {
+    if (!d.empty()) diffs.push_back(where + ": " + d);
+  };
+  // Sharded variables must be sharded over exactly the replica groups being compared.
+  bool counts_match = true;
+  for (ValueId v : after.Variables()) {
+    ShardFormat f;
+    if (ShardFormat::FromAttrs(after.at(v), &f) && f.count != g) {
+      counts_match = false;
+      note("module", Str("@", after.at(v).name, " is sharded ", f.count, " ways, the replica groups have ", g));
+    }
+  }
+  for (int s = 0; s < steps; ++s) {
+    for (int r = 0; r < n; ++r)
+      for (ValueId v : after.Variables()) {
+        const std::string& name = after.at(v).name;
+        ShardFormat f;
+        if (ShardFormat::FromAttrs(after.at(v), &f)) continue;
+        note(Str("step ", s, ", replica ", r),
+             Compare("variable @" + name, ra.states[s][r].at(name), rb.states[s][r].at(name), tol));
+      }
+    for (int first = 0; counts_match && first < n; first += g) {
+      const TensorMap lb = runtime::LogicalStateFrom(before, rb.states[s], first);
+      const TensorMap la = runtime::LogicalStateFrom(after, ra.states[s], first);
+      for (auto& [name, t] : lb)
+        note(Str("step ", s, ", group of replica ", first),
+             la.count(name) ? Compare("variable @" + name, la.at(name), t, tol) : "@" + name + " missing");
+    }
+    for (int r = 0; r < n; ++r)
+      for (auto& [name, t] : rb.outputs[s][r])
+        note(Str("step ", s, ", replica ", r),
+             ra.outputs[s][r].count(name) ? Compare("output @" + name, ra.outputs[s][r].at(name), t, tol)
+                                          : "output @" + name + " missing");
+  }
+  bool moved = false;
+  const TensorMap last = runtime::LogicalStateFrom(before, rb.states.back(), 0);
+  for (ValueId v : before.VariablesWithRole(kRoleWeight))
+    moved |= !(last.at(before.at(v).name) == logical.at(before.at(v).name));
+  if (!moved && !before.VariablesWithRole(kRoleWeight).empty()) diffs.push_back("training did not change any weight");
+  std::string out;
+  for (size_t i = 0; i < diffs.size() && i < 6; ++i) out += diffs[i] + "\n";
+  if (diffs.size() > 6) out += Str("... ", diffs.size(), " mismatches in all\n");
+  return out;
+}
+
+#define EXPECT_SAME_TRAINING(before, after, ...) CHECK(TrainingDifference(before, after, __VA_ARGS__) == "")
+
+// ---- Modules ----
+
+// Adam (PyTorch order, as OptimizerLowering emits it) on one weight; the step counter drives the bias
+// corrections. The per-replica gradient is x * w.
+const char* kAdam = R"IR(
+module @adam replicas=2 {
+  %0 = input @x : f32[4,3]
+  %1 = variable @w {role="weight"} : f32[4,3]
+  %2 = mul(%0, %1) : f32[4,3]
+  %3 = all_reduce(%2) {reduction="mean"} : f32[4,3]
+  %4 = variable @step {role="step"} : s32[]
+  %5 = convert(%4) {dtype="f32"} : f32[]
+  %6 = constant {value=1.0} : f32[]
+  %7 = add(%5, %6) : f32[]
+  %8 = constant {value=0.9} : f32[]
+  %9 = pow(%8, %7) : f32[]
+  %10 = sub(%6, %9) : f32[]
+  %11 = constant {value=0.999} : f32[]
+  %12 = pow(%11, %7) : f32[]
+  %13 = sub(%6, %12) : f32[]
+  %14 = constant {value=0.01} : f32[]
+  %15 = div(%14, %10) : f32[]
+  %16 = sqrt(%13) : f32[]
+  %17 = variable @w/m {role="optimizer_state"} : f32[4,3]
+  %18 = variable @w/v {role="optimizer_state"} : f32[4,3]
+  %19 = constant {value=0.9} : f32[4,3]
+  %20 = mul(%19, %17) : f32[4,3]
+  %21 = constant {value=0.1} : f32[4,3]
+  %22 = mul(%21, %3) : f32[4,3]
+  %23 = add(%20, %22) : f32[4,3]
+  %24 = constant {value=0.999} : f32[4,3]
+  %25 = mul(%24, %18) : f32[4,3]
+  %26 = mul(%3, %3) : f32[4,3]
+  %27 = constant {value=0.001} : f32[4,3]
+  %28 = mul(%27, %26) : f32[4,3]
+  %29 = add(%25, %28) : f32[4,3]
+  %30 = sqrt(%29) : f32[4,3]
+  %31 = broadcast(%16) {dims=[], shape=[4,3]} : f32[4,3]
+  %32 = div(%30, %31) : f32[4,3]
+  %33 = constant {value=1e-08} : f32[4,3]
+  %34 = add(%32, %33) : f32[4,3]
+  %35 = div(%23, %34) : f32[4,3]
+  %36 = broadcast(%15) {dims=[], shape=[4,3]} : f32[4,3]
+  %37 = mul(%36, %35) : f32[4,3]
+  %38 = sub(%1, %37) : f32[4,3]
+  %39 = constant {value=1} : s32[]
+  %40 = add(%4, %39) : s32[]
+  gradient @w = %3
+  assign @w/m = %23
+  assign @w/v = %29
+  assign @w = %38
+  assign @step = %40
+}
+)IR";
+
+// Nesterov momentum with weight decay at 4 replicas: w [8,2] and b [4] both shard along dim 0.
+const char* kMomentum = R"IR(
+module @momentum replicas=4 {
+  %0 = input @x : f32[8,2]
+  %1 = input @y : f32[4]
+  %2 = variable @w {role="weight"} : f32[8,2]
+  %3 = variable @b {role="weight"} : f32[4]
+  %4 = mul(%0, %2) : f32[8,2]
+  %5 = all_reduce(%4) {reduction="mean"} : f32[8,2]
+  %6 = mul(%1, %3) : f32[4]
+  %7 = all_reduce(%6) {reduction="mean"} : f32[4]
+  %8 = constant {value=0.05} : f32[]
+  %9 = variable @w/momentum {role="optimizer_state"} : f32[8,2]
+  %10 = constant {value=0.001} : f32[8,2]
+  %11 = mul(%10, %2) : f32[8,2]
+  %12 = add(%5, %11) : f32[8,2]
+  %13 = constant {value=0.9} : f32[8,2]
+  %14 = mul(%13, %9) : f32[8,2]
+  %15 = add(%14, %12) : f32[8,2]
+  %16 = mul(%13, %15) : f32[8,2]
+  %17 = add(%12, %16) : f32[8,2]
+  %18 = broadcast(%8) {dims=[], shape=[8,2]} : f32[8,2]
+  %19 = mul(%18, %17) : f32[8,2]
+  %20 = sub(%2, %19) : f32[8,2]
+  %21 = variable @b/momentum {role="optimizer_state"} : f32[4]
+  %22 = constant {value=0.9} : f32[4]
+  %23 = mul(%22, %21) : f32[4]
+  %24 = add(%23, %7) : f32[4]
+  %25 = broadcast(%8) {dims=[], shape=[4]} : f32[4]
+  %26 = mul(%25, %24) : f32[4]
+  %27 = sub(%3, %26) : f32[4]
+  assign @w/momentum = %15
+  assign @w = %20
+  assign @b/momentum = %24
+  assign @b = %27
+}
+)IR";
+
+// LAMB (You et al.) on w1 [4,2] (dim0) and w2 [3] (flat, one padding element at N=2): the trust ratio
+// needs ||w|| and ||r|| of each tensor separately.
+const char* kLamb = R"IR(
+module @lamb replicas=2 {
+  %0 = input @x1 : f32[4,2]
+  %1 = input @x2 : f32[3]
+  %2 = variable @w1 {role="weight"} : f32[4,2]
+  %3 = variable @w2 {role="weight"} : f32[3]
+  %4 = mul(%0, %2) : f32[4,2]
+  %5 = all_reduce(%4) {reduction="mean"} : f32[4,2]
+  %6 = mul(%1, %3) : f32[3]
+  %7 = all_reduce(%6) {reduction="mean"} : f32[3]
+  %8 = constant {value=0.01} : f32[]
+  %9 = constant {value=0.1} : f32[]
+  %10 = constant {value=0.001} : f32[]
+  %11 = constant {value=0.0} : f32[]
+  %12 = constant {value=1.0} : f32[]
+  %13 = variable @w1/m {role="optimizer_state"} : f32[4,2]
+  %14 = variable @w1/v {role="optimizer_state"} : f32[4,2]
+  %15 = constant {value=0.9} : f32[4,2]
+  %16 = mul(%15, %13) : f32[4,2]
+  %17 = constant {value=0.1} : f32[4,2]
+  %18 = mul(%17, %5) : f32[4,2]
+  %19 = add(%16, %18) : f32[4,2]
+  %20 = constant {value=0.999} : f32[4,2]
+  %21 = mul(%20, %14) : f32[4,2]
+  %22 = mul(%5, %5) : f32[4,2]
+  %23 = constant {value=0.001} : f32[4,2]
+  %24 = mul(%23, %22) : f32[4,2]
+  %25 = add(%21, %24) : f32[4,2]
+  %26 = broadcast(%9) {dims=[], shape=[4,2]} : f32[4,2]
+  %27 = div(%19, %26) : f32[4,2]
+  %28 = broadcast(%10) {dims=[], shape=[4,2]} : f32[4,2]
+  %29 = div(%25, %28) : f32[4,2]
+  %30 = sqrt(%29) : f32[4,2]
+  %31 = constant {value=1e-06} : f32[4,2]
+  %32 = add(%30, %31) : f32[4,2]
+  %33 = div(%27, %32) : f32[4,2]
+  %34 = constant {value=0.01} : f32[4,2]
+  %35 = mul(%34, %2) : f32[4,2]
+  %36 = add(%33, %35) : f32[4,2]
+  %37 = mul(%2, %2) : f32[4,2]
+  %38 = reduce_sum(%37) {axes=[0,1]} : f32[]
+  %39 = sqrt(%38) : f32[]
+  %40 = mul(%36, %36) : f32[4,2]
+  %41 = reduce_sum(%40) {axes=[0,1]} : f32[]
+  %42 = sqrt(%41) : f32[]
+  %43 = gt(%39, %11) : f32[]
+  %44 = gt(%42, %11) : f32[]
+  %45 = mul(%43, %44) : f32[]
+  %46 = div(%39, %42) : f32[]
+  %47 = select(%45, %46, %12) : f32[]
+  %48 = mul(%8, %47) : f32[]
+  %49 = broadcast(%48) {dims=[], shape=[4,2]} : f32[4,2]
+  %50 = mul(%49, %36) : f32[4,2]
+  %51 = sub(%2, %50) : f32[4,2]
+  %52 = variable @w2/m {role="optimizer_state"} : f32[3]
+  %53 = variable @w2/v {role="optimizer_state"} : f32[3]
+  %54 = constant {value=0.9} : f32[3]
+  %55 = mul(%54, %52) : f32[3]
+  %56 = constant {value=0.1} : f32[3]
+  %57 = mul(%56, %7) : f32[3]
+  %58 = add(%55, %57) : f32[3]
+  %59 = constant {value=0.999} : f32[3]
+  %60 = mul(%59, %53) : f32[3]
+  %61 = mul(%7, %7) : f32[3]
+  %62 = constant {value=0.001} : f32[3]
+  %63 = mul(%62, %61) : f32[3]
+  %64 = add(%60, %63) : f32[3]
+  %65 = broadcast(%9) {dims=[], shape=[3]} : f32[3]
+  %66 = div(%58, %65) : f32[3]
+  %67 = broadcast(%10) {dims=[], shape=[3]} : f32[3]
+  %68 = div(%64, %67) : f32[3]
+  %69 = sqrt(%68) : f32[3]
+  %70 = constant {value=1e-06} : f32[3]
+  %71 = add(%69, %70) : f32[3]
+  %72 = div(%66, %71) : f32[3]
+  %73 = constant {value=0.01} : f32[3]
+  %74 = mul(%73, %3) : f32[3]
+  %75 = add(%72, %74) : f32[3]
+  %76 = mul(%3, %3) : f32[3]
+  %77 = reduce_sum(%76) {axes=[0]} : f32[]
+  %78 = sqrt(%77) : f32[]
+  %79 = mul(%75, %75) : f32[3]
+  %80 = reduce_sum(%79) {axes=[0]} : f32[]
+  %81 = sqrt(%80) : f32[]
+  %82 = gt(%78, %11) : f32[]
+  %83 = gt(%81, %11) : f32[]
+  %84 = mul(%82, %83) : f32[]
+  %85 = div(%78, %81) : f32[]
+  %86 = select(%84, %85, %12) : f32[]
+  %87 = mul(%8, %86) : f32[]
+  %88 = broadcast(%87) {dims=[], shape=[3]} : f32[3]
+  %89 = mul(%88, %75) : f32[3]
+  %90 = sub(%3, %89) : f32[3]
+  assign @w1/m = %19
+  assign @w1/v = %25
+  assign @w1 = %51
+  assign @w2/m = %58
+  assign @w2/v = %64
+  assign @w2 = %90
+}
+)IR";
+
+// SGD with global-norm clipping (torch.nn.utils.clip_grad_norm_) over three tensors of different shapes.
+const char* kClip = R"IR(
+module @clip replicas=2 {
+  %0 = input @x : f32[4,2]
+  %1 = variable @w1 {role="weight"} : f32[4,2]
+  %2 = variable @w2 {role="weight"} : f32[6]
+  %3 = variable @w3 {role="weight"} : f32[2,3]
+  %4 = mul(%0, %1) : f32[4,2]
+  %5 = all_reduce(%4) {reduction="mean"} : f32[4,2]
+  %6 = reshape(%0) {shape=[8]} : f32[8]
+  %7 = slice(%6) {limit=[6], start=[0]} : f32[6]
+  %8 = mul(%7, %2) : f32[6]
+  %9 = all_reduce(%8) {reduction="mean"} : f32[6]
+  %10 = reshape(%7) {shape=[2,3]} : f32[2,3]
+  %11 = mul(%10, %3) : f32[2,3]
+  %12 = all_reduce(%11) {reduction="mean"} : f32[2,3]
+  %13 = mul(%5, %5) : f32[4,2]
+  %14 = reduce_sum(%13) {axes=[0,1]} : f32[]
+  %15 = mul(%9, %9) : f32[6]
+  %16 = reduce_sum(%15) {axes=[0]} : f32[]
+  %17 = add(%14, %16) : f32[]
+  %18 = mul(%12, %12) : f32[2,3]
+  %19 = reduce_sum(%18) {axes=[0,1]} : f32[]
+  %20 = add(%17, %19) : f32[]
+  %21 = sqrt(%20) : f32[]
+  %22 = constant {value=0.05} : f32[]
+  %23 = constant {value=1e-06} : f32[]
+  %24 = add(%21, %23) : f32[]
+  %25 = div(%22, %24) : f32[]
+  %26 = constant {value=1.0} : f32[]
+  %27 = min(%25, %26) : f32[]
+  %28 = constant {value=0.1} : f32[]
+  %29 = broadcast(%27) {dims=[], shape=[4,2]} : f32[4,2]
+  %30 = mul(%5, %29) : f32[4,2]
+  %31 = broadcast(%28) {dims=[], shape=[4,2]} : f32[4,2]
+  %32 = mul(%31, %30) : f32[4,2]
+  %33 = sub(%1, %32) : f32[4,2]
+  %34 = broadcast(%27) {dims=[], shape=[6]} : f32[6]
+  %35 = mul(%9, %34) : f32[6]
+  %36 = broadcast(%28) {dims=[], shape=[6]} : f32[6]
+  %37 = mul(%36, %35) : f32[6]
+  %38 = sub(%2, %37) : f32[6]
+  %39 = broadcast(%27) {dims=[], shape=[2,3]} : f32[2,3]
+  %40 = mul(%12, %39) : f32[2,3]
+  %41 = broadcast(%28) {dims=[], shape=[2,3]} : f32[2,3]
+  %42 = mul(%41, %40) : f32[2,3]
+  %43 = sub(%3, %42) : f32[2,3]
+  assign @w1 = %33
+  assign @w2 = %38
+  assign @w3 = %43
+}
+)IR";
+
+// w [5,3]: 15 elements at N=2, so flat with one padding element. The update reads a sum, a max and a
+// mean of d = m' - 0.5 (d is -0.5 on the padding, so an unmasked reduction would see it).
+const char* kPadded = R"IR(
+module @padded replicas=2 {
+  %0 = input @x : f32[5,3]
+  %1 = variable @w {role="weight"} : f32[5,3]
+  %2 = mul(%0, %1) : f32[5,3]
+  %3 = all_reduce(%2) {reduction="mean"} : f32[5,3]
+  %4 = variable @w/momentum {role="optimizer_state"} : f32[5,3]
+  %5 = constant {value=0.9} : f32[5,3]
+  %6 = mul(%5, %4) : f32[5,3]
+  %7 = add(%6, %3) : f32[5,3]
+  %8 = constant {value=0.5} : f32[5,3]
+  %9 = sub(%7, %8) : f32[5,3]
+  %10 = mul(%9, %9) : f32[5,3]
+  %11 = reduce_sum(%10) {axes=[0,1]} : f32[]
+  %12 = neg(%10) : f32[5,3]
+  %13 = reduce_max(%12) {axes=[0,1]} : f32[]
+  %14 = reduce_mean(%9) {axes=[0,1]} : f32[]
+  %15 = sqrt(%11) : f32[]
+  %16 = add(%15, %13) : f32[]
+  %17 = add(%16, %14) : f32[]
+  %18 = constant {value=0.01} : f32[]
+  %19 = mul(%18, %17) : f32[]
+  %20 = broadcast(%19) {dims=[], shape=[5,3]} : f32[5,3]
+  %21 = mul(%20, %7) : f32[5,3]
+  %22 = sub(%1, %21) : f32[5,3]
+  assign @w/momentum = %7
+  assign @w = %22
+}
+)IR";
+
+// The update symmetrises the gradient (transpose) and adds g·w (matmul): neither partitions.
+const char* kFallback = R"IR(
+module @fallback replicas=3 {
+  %0 = input @x : f32[3,3]
+  %1 = variable @w {role="weight"} : f32[3,3]
+  %2 = mul(%0, %1) : f32[3,3]
+  %3 = all_reduce(%2) {reduction="mean"} : f32[3,3]
+  %4 = transpose(%3) {perm=[1,0]} : f32[3,3]
+  %5 = add(%3, %4) : f32[3,3]
+  %6 = matmul(%3, %1) {transpose_a=0, transpose_b=0} : f32[3,3]
+  %7 = add(%5, %6) : f32[3,3]
+  %8 = constant {value=0.1} : f32[3,3]
+  %9 = mul(%8, %7) : f32[3,3]
+  %10 = sub(%1, %9) : f32[3,3]
+  assign @w = %10
+}
+)IR";
+
+// 8 replicas in two data-parallel groups of 4: clipped momentum on w [8,2] (dim0) and a normed update
+// of b [6] (flat at G=4: two padding elements).
+const char* kGroups = R"IR(
+module @groups replicas=8 {
+  %0 = input @x : f32[8,2]
+  %1 = input @y : f32[6]
+  %2 = variable @w {role="weight"} : f32[8,2]
+  %3 = variable @b {role="weight"} : f32[6]
+  %4 = mul(%0, %2) : f32[8,2]
+  %5 = all_reduce(%4) {groups=[[0,1,2,3],[4,5,6,7]], reduction="mean"} : f32[8,2]
+  %6 = mul(%1, %3) : f32[6]
+  %7 = all_reduce(%6) {groups=[[0,1,2,3],[4,5,6,7]], reduction="mean"} : f32[6]
+  %8 = mul(%5, %5) : f32[8,2]
+  %9 = reduce_sum(%8) {axes=[0,1]} : f32[]
+  %10 = mul(%7, %7) : f32[6]
+  %11 = reduce_sum(%10) {axes=[0]} : f32[]
+  %12 = add(%9, %11) : f32[]
+  %13 = sqrt(%12) : f32[]
+  %14 = constant {value=0.05} : f32[]
+  %15 = constant {value=1e-06} : f32[]
+  %16 = add(%13, %15) : f32[]
+  %17 = div(%14, %16) : f32[]
+  %18 = constant {value=1.0} : f32[]
+  %19 = min(%17, %18) : f32[]
+  %20 = constant {value=0.1} : f32[]
+  %21 = mul(%20, %19) : f32[]
+  %22 = variable @w/momentum {role="optimizer_state"} : f32[8,2]
+  %23 = constant {value=0.9} : f32[8,2]
+  %24 = mul(%23, %22) : f32[8,2]
+  %25 = broadcast(%19) {dims=[], shape=[8,2]} : f32[8,2]
+  %26 = mul(%5, %25) : f32[8,2]
+  %27 = add(%24, %26) : f32[8,2]
+  %28 = broadcast(%20) {dims=[], shape=[8,2]} : f32[8,2]
+  %29 = mul(%28, %27) : f32[8,2]
+  %30 = sub(%2, %29) : f32[8,2]
+  %31 = variable @b/momentum {role="optimizer_state"} : f32[6]
+  %32 = constant {value=0.9} : f32[6]
+  %33 = mul(%32, %31) : f32[6]
+  %34 = add(%33, %7) : f32[6]
+  %35 = constant {value=0.5} : f32[6]
+  %36 = sub(%34, %35) : f32[6]
+  %37 = mul(%36, %36) : f32[6]
+  %38 = reduce_sum(%37) {axes=[0]} : f32[]
+  %39 = sqrt(%38) : f32[]
+  %40 = mul(%21, %39) : f32[]
+  %41 = broadcast(%40) {dims=[], shape=[6]} : f32[6]
+  %42 = mul(%41, %34) : f32[6]
+  %43 = sub(%3, %42) : f32[6]
+  assign @w/momentum = %27
+  assign @w = %30
+  assign @b/momentum = %34
+  assign @b = %43
+}
+)IR";
+
+// A forward that reads the weights (h = x w, and b as an output), momentum on w, SGD on b [3].
+const char* kForward = R"IR(
+module @forward replicas=2 {
+  %0 = input @x : f32[2,4]
+  %1 = variable @w {role="weight"} : f32[4,3]
+  %2 = matmul(%0, %1) {transpose_a=0, transpose_b=0} : f32[2,3]
+  %3 = matmul(%0, %2) {transpose_a=1, transpose_b=0} : f32[4,3]
+  %4 = all_reduce(%3) {reduction="mean"} : f32[4,3]
+  %5 = variable @b {role="weight"} : f32[3]
+  %6 = reduce_sum(%2) {axes=[0]} : f32[3]
+  %7 = all_reduce(%6) {reduction="mean"} : f32[3]
+  %8 = variable @w/momentum {role="optimizer_state"} : f32[4,3]
+  %9 = constant {value=0.9} : f32[4,3]
+  %10 = mul(%9, %8) : f32[4,3]
+  %11 = add(%10, %4) : f32[4,3]
+  %12 = constant {value=0.1} : f32[4,3]
+  %13 = mul(%12, %11) : f32[4,3]
+  %14 = sub(%1, %13) : f32[4,3]
+  %15 = constant {value=0.1} : f32[3]
+  %16 = mul(%15, %7) : f32[3]
+  %17 = sub(%5, %16) : f32[3]
+  assign @w/momentum = %11
+  assign @w = %14
+  assign @b = %17
+  output @h = %2
+  output @b = %5
+}
+)IR";
+
+// ---- Cases ----
+
+TEST_CASE("Adam: the all-reduce becomes a reduce-scatter, m and v live as shards, the weight is all-gathered",
+          "[weight-update-sharder][adam]") {
+  Sharded s = RunSharder(kAdam);
+  INFO(s.text);
+  CHECK(s.changed);
+  // The state variables take the shard shape and record their format.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: variable @w/m {logical_shape=[4,3], role="optimizer_state", shard_count=2, shard_format="dim0"} : f32[2,3]
+    CHECK: variable @w/v {logical_shape=[4,3], role="optimizer_state", shard_count=2, shard_format="dim0"} : f32[2,3]
+  )C") == "");
+  // The per-replica gradient is reduce-scattered (dim 0 divides: no re-layout), the update runs on
+  // [2,3] shards, the weight's local slice is taken by replica id, and the new shard is all-gathered
+  // into the weight's assignment.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[W:%\d+]] = variable @w {role="weight"} : f32[4,3]
+    CHECK: [[G:%\d+]] = mul(%0, [[W]]) : f32[4,3]
+    CHECK: [[RS:%\d+]] = reduce_scatter([[G]]) {group_size=2, reduction="mean"} : f32[2,3]
+    CHECK: mul({{%\d+}}, [[RS]]) : f32[2,3]
+    CHECK: mul([[RS]], [[RS]]) : f32[2,3]
+    CHECK: [[ROWS:%\d+]] = reshape([[W]]) {shape=[2,6]} : f32[2,6]
+    CHECK-NEXT: [[R:%\d+]] = replica_id : s32[]
+    CHECK-NEXT: [[MINE:%\d+]] = gather([[ROWS]], [[R]]) : f32[6]
+    CHECK-NEXT: [[WS:%\d+]] = reshape([[MINE]]) {shape=[2,3]} : f32[2,3]
+    CHECK-NEXT: [[NEW:%\d+]] = sub([[WS]], {{%\d+}}) : f32[2,3]
+    CHECK: [[AG:%\d+]] = all_gather([[NEW]]) {group_size=2} : f32[4,3]
+    CHECK: assign @w = [[AG]]
+  )C") == "");
+  CHECK(Count(s.text, "all_reduce") == 0);
+  CHECK(Count(s.text, "reduce_scatter(") == 1);
+  CHECK(Count(s.text, "all_gather(") == 1);
+  // No full-size f32[4,3] arithmetic is left in the update: only the input, the weight, the local
+  // gradient and the all-gather.
+  CHECK(Count(s.text, ": f32[4,3]") == 4);
+  CHECK(CountOps(s.after, OpCode::kAllReduce) == 0);
+  CHECK(s.after.gradients.empty());  // the all-reduced gradients the optimizer consumed are gone
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/0);
+}
+
+TEST_CASE("momentum (Nesterov, weight decay) at 4 replicas: bitwise equal to the replicated update",
+          "[weight-update-sharder][momentum]") {
+  Sharded s = RunSharder(kMomentum);
+  INFO(s.text);
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[W:%\d+]] = variable @w {role="weight"} : f32[8,2]
+    CHECK: variable @w/momentum {logical_shape=[8,2], role="optimizer_state", shard_count=4, shard_format="dim0"} : f32[2,2]
+    CHECK: variable @b/momentum {logical_shape=[4], role="optimizer_state", shard_count=4, shard_format="dim0"} : f32[1]
+    CHECK: reduce_scatter({{%\d+}}) {group_size=4, reduction="mean"} : f32[2,2]
+    CHECK: reduce_scatter({{%\d+}}) {group_size=4, reduction="mean"} : f32[1]
+  )C") == "");
+  // Weight decay reads w: the replicated weight is sliced locally (no communication) for it.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[W:%\d+]] = variable @w {role="weight"} : f32[8,2]
+    CHECK: [[ROWS:%\d+]] = reshape([[W]]) {shape=[4,4]} : f32[4,4]
+    CHECK: [[MINE:%\d+]] = gather([[ROWS]], {{%\d+}}) : f32[4]
+    CHECK: [[WS:%\d+]] = reshape([[MINE]]) {shape=[2,2]} : f32[2,2]
+    CHECK: mul({{%\d+}}, [[WS]]) : f32[2,2]
+    CHECK: [[AGW:%\d+]] = all_gather({{%\d+}}) {group_size=4} : f32[8,2]
+    CHECK: [[AGB:%\d+]] = all_gather({{%\d+}}) {group_size=4} : f32[4]
+    CHECK: assign @w = [[AGW]]
+    CHECK: assign @b = [[AGB]]
+  )C") == "");
+  CHECK(Count(s.text, "all_reduce") == 0);
+  CHECK(Count(s.text, "reduce_scatter(") == 2);
+  CHECK(Count(s.text, "all_gather(") == 2);
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/0);
+}
+
+TEST_CASE("LAMB: per-tensor norms become partial reductions plus an all-reduce of a scalar",
+          "[weight-update-sharder][lamb]") {
+  Sharded s = RunSharder(kLamb);
+  INFO(s.text);
+  // Four norms (||w1||, ||r1||, ||w2||, ||r2||): each is a local sum over this replica's shard and an
+  // all-reduce(sum) of that one scalar; nothing of tensor size is all-reduced.
+  CHECK(Count(s.text, "all_reduce(") == 4);
+  CHECK(Count(s.text, "{reduction=\"sum\"} : f32[]") == 4);
+  CHECK(FileCheck(s.text, "CHECK-NOT: all_reduce({{.*}}) {reduction=\"mean\"}") == "");
+  CHECK(Count(s.text, "reduce_scatter(") == 2);
+  CHECK(Count(s.text, "all_gather(") == 2);
+  // w1 (dim0): the shard [2,2] is summed over both axes; w2 (flat, padded to 4): [2] over axis 0,
+  // with padding masked out first.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[P1:%\d+]] = reduce_sum({{%\d+}}) {axes=[0,1]} : f32[]
+    CHECK-NEXT: all_reduce([[P1]]) {reduction="sum"} : f32[]
+    CHECK: [[P2:%\d+]] = reduce_sum({{%\d+}}) {axes=[0,1]} : f32[]
+    CHECK-NEXT: all_reduce([[P2]]) {reduction="sum"} : f32[]
+  )C") == "");
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: variable @w2/m {logical_shape=[3], role="optimizer_state", shard_count=2, shard_format="flat"} : f32[2]
+    CHECK: [[ONES:%\d+]] = constant {value=1.0} : f32[3]
+    CHECK-NEXT: [[OPAD:%\d+]] = pad([[ONES]]) {high=[1], low=[0]} : f32[4]
+    CHECK-NEXT: [[OROWS:%\d+]] = reshape([[OPAD]]) {shape=[2,2]} : f32[2,2]
+    CHECK-NEXT: [[MASK:%\d+]] = gather([[OROWS]], {{%\d+}}) : f32[2]
+    CHECK: [[SEL:%\d+]] = select([[MASK]], {{%\d+}}, {{%\d+}}) : f32[2]
+    CHECK-NEXT: [[P3:%\d+]] = reduce_sum([[SEL]]) {axes=[0]} : f32[]
+    CHECK-NEXT: all_reduce([[P3]]) {reduction="sum"} : f32[]
+  )C") == "");
+  // The tensors' norms stay apart: no partial reduction reads values of both tensors.
+  for (const Instr& in : s.after.instrs) {
+    if (in.op != OpCode::kReduceSum) continue;
+    const Shape& x = s.after.type(in.operands[0]).shape;
+    CHECK((x == Shape{2, 2} || x == Shape{2}));
+  }
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/1e-6);
+
+  SECTION("packed by the collective combiner, the norms still respect the tensor boundaries") {
+    Module packed = s.after;
+    REQUIRE(CollectiveCombiner(1 << 20, 64).Run(packed));
+    Verify(packed);
+    const std::string text = Print(packed);
+    INFO(text);
+    CHECK(Count(text, "reduce_scatter(") == 1);
+    CHECK(Count(text, "all_gather(") == 1);
+    CHECK(Count(text, "all_reduce(") == 1);
+    CHECK(FileCheck(text, R"C(
+      CHECK: [[PACK:%\d+]] = concat({{%\d+}}, {{%\d+}}, {{%\d+}}, {{%\d+}}) {axis=0} : f32[4]
+      CHECK-NEXT: all_reduce([[PACK]]) {reduction="sum"} : f32[4]
+    )C") == "");
+    EXPECT_SAME_TRAINING(s.before, packed, /*tol=*/1e-6);
+  }
+}
+
+TEST_CASE("global-norm clipping across three tensors: one partial sum per tensor, scalars all-reduced",
+          "[weight-update-sharder][clipping]") {
+  Sharded s = RunSharder(kClip);
+  INFO(s.text);
+  CHECK(Count(s.text, "reduce_scatter(") == 3);
+  CHECK(Count(s.text, "all_gather(") == 3);
+  CHECK(Count(s.text, "all_reduce(") == 3);
+  CHECK(FileCheck(s.text, "CHECK-NOT: all_reduce({{.*}} : f32[{{\\d}}") == "");  // no tensor all-reduce
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[RS1:%\d+]] = reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[2,2]
+    CHECK: [[RS2:%\d+]] = reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[3]
+    CHECK: [[RS3:%\d+]] = reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[1,3]
+    CHECK: [[SQ1:%\d+]] = mul([[RS1]], [[RS1]]) : f32[2,2]
+    CHECK-NEXT: [[P1:%\d+]] = reduce_sum([[SQ1]]) {axes=[0,1]} : f32[]
+    CHECK-NEXT: [[T1:%\d+]] = all_reduce([[P1]]) {reduction="sum"} : f32[]
+    CHECK: [[SQ2:%\d+]] = mul([[RS2]], [[RS2]]) : f32[3]
+    CHECK-NEXT: [[P2:%\d+]] = reduce_sum([[SQ2]]) {axes=[0]} : f32[]
+    CHECK-NEXT: [[T2:%\d+]] = all_reduce([[P2]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: add([[T1]], [[T2]]) : f32[]
+    CHECK: [[SQ3:%\d+]] = mul([[RS3]], [[RS3]]) : f32[1,3]
+    CHECK-NEXT: [[P3:%\d+]] = reduce_sum([[SQ3]]) {axes=[0,1]} : f32[]
+    CHECK-NEXT: [[T3:%\d+]] = all_reduce([[P3]]) {reduction="sum"} : f32[]
+  )C") == "");
+  // The clipping coefficient is computed once, replicated (scalar arithmetic), and read by every shard.
+  CHECK(Count(s.text, "min(") == 1);
+  CHECK(s.report.fallbacks.empty());
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/1e-6);
+}
+
+// Reporting the clipped gradient's global norm is common. The output reads a scalar of the update
+// region; it must read the rewritten norm, not keep the full-size all-reduces of every gradient alive
+// next to the reduce-scatters (that doubles the step's communication).
+TEST_CASE("an output reading the global gradient norm does not keep the full all-reduces alive",
+          "[weight-update-sharder][clipping][bug]") {
+  std::string text = kClip;
+  text.replace(text.find("  assign @w1"), 0, "  output @grad_norm = %21\n");
+  Sharded s = RunSharder(text);
+  INFO(s.text);
+  CHECK(Count(s.text, "reduce_scatter(") == 3);
+  CHECK(FileCheck(s.text, "CHECK-NOT: all_reduce({{.*}} : f32[{{\\d}}") == "");  // no tensor all-reduce
+  CHECK(Count(s.text, "all_reduce(") == 3);
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/1e-6);
+}
+
+TEST_CASE("a tensor whose size is not a multiple of N: flattened, padded, and the padding masked in reductions",
+          "[weight-update-sharder][padding]") {
+  Sharded s = RunSharder(kPadded);
+  INFO(s.text);
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: variable @w/momentum {logical_shape=[5,3], role="optimizer_state", shard_count=2, shard_format="flat"} : f32[8]
+    CHECK: [[FLAT:%\d+]] = reshape({{%\d+}}) {shape=[15]} : f32[15]
+    CHECK-NEXT: [[PAD:%\d+]] = pad([[FLAT]]) {high=[1], low=[0]} : f32[16]
+    CHECK-NEXT: [[RS:%\d+]] = reduce_scatter([[PAD]]) {group_size=2, reduction="mean"} : f32[8]
+  )C") == "");
+  // The mask: ones over the 15 real elements, zero-padded, this replica's slice.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[ONES:%\d+]] = constant {value=1.0} : f32[15]
+    CHECK-NEXT: [[OPAD:%\d+]] = pad([[ONES]]) {high=[1], low=[0]} : f32[16]
+    CHECK-NEXT: [[OROWS:%\d+]] = reshape([[OPAD]]) {shape=[2,8]} : f32[2,8]
+    CHECK: [[MASK:%\d+]] = gather([[OROWS]], {{%\d+}}) : f32[8]
+    CHECK: [[S:%\d+]] = select([[MASK]], {{%\d+}}, {{%\d+}}) : f32[8]
+    CHECK-NEXT: [[PS:%\d+]] = reduce_sum([[S]]) {axes=[0]} : f32[]
+    CHECK-NEXT: all_reduce([[PS]]) {reduction="sum"} : f32[]
+    CHECK: [[NINF:%\d+]] = constant {value=-inf} : f32[8]
+    CHECK-NEXT: [[SM:%\d+]] = select([[MASK]], {{%\d+}}, [[NINF]]) : f32[8]
+    CHECK-NEXT: [[PM:%\d+]] = reduce_max([[SM]]) {axes=[0]} : f32[]
+    CHECK-NEXT: all_reduce([[PM]]) {reduction="max"} : f32[]
+    CHECK: [[SE:%\d+]] = select([[MASK]], {{%\d+}}, {{%\d+}}) : f32[8]
+    CHECK-NEXT: [[PE:%\d+]] = reduce_sum([[SE]]) {axes=[0]} : f32[]
+    CHECK-NEXT: [[TE:%\d+]] = all_reduce([[PE]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: [[N:%\d+]] = constant {value=15.0} : f32[]
+    CHECK-NEXT: div([[TE]], [[N]]) : f32[]
+  )C") == "");
+  // The weight's local slice comes from its padded flat form; the gathered result drops the padding.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[W:%\d+]] = variable @w {role="weight"} : f32[5,3]
+    CHECK: [[WF:%\d+]] = reshape([[W]]) {shape=[15]} : f32[15]
+    CHECK-NEXT: [[WP:%\d+]] = pad([[WF]]) {high=[1], low=[0]} : f32[16]
+    CHECK-NEXT: [[WR:%\d+]] = reshape([[WP]]) {shape=[2,8]} : f32[2,8]
+    CHECK-NEXT: gather([[WR]], {{%\d+}}) : f32[8]
+    CHECK: [[AG:%\d+]] = all_gather({{%\d+}}) {group_size=2} : f32[16]
+    CHECK-NEXT: [[CUT:%\d+]] = slice([[AG]]) {limit=[15], start=[0]} : f32[15]
+    CHECK-NEXT: [[NW:%\d+]] = reshape([[CUT]]) {shape=[5,3]} : f32[5,3]
+    CHECK: assign @w = [[NW]]
+  )C") == "");
+  REQUIRE(s.report.variables.size() == 2);
+  CHECK(s.report.variables[1].padding == 1);
+  CHECK(s.report.variables[1].format == "flat");
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/1e-6);
+}
+
+TEST_CASE("a non-partitionable op runs replicated on gathered values, and the report names it",
+          "[weight-update-sharder][fallback]") {
+  Sharded s = RunSharder(kFallback);
+  INFO(s.text);
+  // transpose and matmul read the all-gathered gradient; their results are sliced back to the shard.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[RS:%\d+]] = reduce_scatter({{%\d+}}) {group_size=3, reduction="mean"} : f32[1,3]
+    CHECK-NEXT: [[FULL:%\d+]] = all_gather([[RS]]) {group_size=3} : f32[3,3]
+    CHECK-NEXT: [[T:%\d+]] = transpose([[FULL]]) {perm=[1,0]} : f32[3,3]
+    CHECK: [[TS:%\d+]] = gather([[T]], {{%\d+}}) : f32[3]
+    CHECK: add([[RS]], {{%\d+}}) : f32[1,3]
+    CHECK: [[MM:%\d+]] = matmul([[FULL]], {{%\d+}}) {transpose_a=0, transpose_b=0} : f32[3,3]
+    CHECK: gather([[MM]], {{%\d+}}) : f32[3]
+  )C") == "");
+  CHECK(Count(s.text, "all_gather(") == 2);  // the fallbacks' operand and the weight
+  REQUIRE(s.report.fallbacks.size() == 2);
+  CHECK_THAT(s.report.fallbacks[0], Catch::Contains("transpose(f32[3,3]) -> f32[3,3]") &&
+                                        Catch::Contains("not partitionable"));
+  CHECK_THAT(s.report.fallbacks[1], Catch::Contains("matmul(f32[3,3], f32[3,3]) -> f32[3,3]"));
+  const std::string table = s.report.ToString();
+  CHECK_THAT(table, Catch::Contains("fallback: ") && Catch::Contains("transpose") && Catch::Contains("matmul"));
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/0);
+}
+
+TEST_CASE("replica groups: 8 replicas in groups of 4, every collective carries the groups",
+          "[weight-update-sharder][groups]") {
+  ShardingOptions o;
+  o.group_size = 4;
+  Sharded s = RunSharder(kGroups, o);
+  INFO(s.text);
+  const std::string groups = "groups=[[0,1,2,3],[4,5,6,7]]";
+  CHECK(Count(s.text, "reduce_scatter(") == 2);
+  CHECK(Count(s.text, "all_gather(") == 2);
+  CHECK(Count(s.text, "{group_size=4, " + groups + ", reduction=\"mean\"}") == 2);
+  CHECK(Count(s.text, "all_gather(") == Count(s.text, "{group_size=4, " + groups + "} : f32["));
+  // Each scalar norm all-reduce stays inside the group (no group_size on an all-reduce).
+  CHECK(Count(s.text, "all_reduce(") == 3);
+  CHECK(Count(s.text, "{" + groups + ", reduction=\"sum\"} : f32[]") == 3);
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: variable @w/momentum {logical_shape=[8,2], role="optimizer_state", shard_count=4, shard_format="dim0"} : f32[2,2]
+    CHECK: variable @b/momentum {logical_shape=[6], role="optimizer_state", shard_count=4, shard_format="flat"} : f32[2]
+  )C") == "");
+  // Local slices are indexed by the position in the group: r - (r / 4) * 4.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[R:%\d+]] = replica_id : s32[]
+    CHECK-NEXT: [[FOUR:%\d+]] = constant {value=4{{(\.0)?}}} : s32[]
+    CHECK-NEXT: [[Q:%\d+]] = div([[R]], [[FOUR]]) : s32[]
+    CHECK-NEXT: [[QG:%\d+]] = mul([[Q]], [[FOUR]]) : s32[]
+    CHECK-NEXT: [[POS:%\d+]] = sub([[R]], [[QG]]) : s32[]
+    CHECK: gather({{%\d+}}, [[POS]]) : f32[4]
+  )C") == "");
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/1e-6, /*group_size=*/4);
+}
+
+// The pass takes the group size from its options; the gradients' all-reduces carry their own groups.
+// When the two disagree the sharded module must still compute what the module computed (or the pass
+// must refuse with an error), never silently reduce over other replicas.
+TEST_CASE("sharding options that disagree with the all-reduce's replica groups never change the result",
+          "[weight-update-sharder][groups][bug]") {
+  SECTION("grouped all-reduces (groups of 4), default options") {
+    Module before = Parse(kGroups);
+    Module after = before;
+    WeightUpdateSharder pass;  // group_size 0: "all replicas form one group"
+    bool refused = false;
+    try {
+      pass.Run(after);
+    } catch (const Error& e) {
+      refused = true;
+      INFO(e.what());
+    }
+    if (!refused) {
+      Verify(after);
+      INFO(Print(after));
+      EXPECT_SAME_TRAINING(before, after, /*tol=*/1e-6, /*group_size=*/4);
+    }
+  }
+  SECTION("all-reduces over all 4 replicas, options with groups of 2") {
+    ShardingOptions o;
+    o.group_size = 2;
+    Module before = Parse(kMomentum);
+    Module after = before;
+    WeightUpdateSharder pass(o);
+    bool refused = false;
+    try {
+      pass.Run(after);
+    } catch (const Error& e) {
+      refused = true;
+      INFO(e.what());
+    }
+    if (!refused) {
+      Verify(after);
+      INFO(Print(after));
+      EXPECT_SAME_TRAINING(before, after, /*tol=*/0, /*group_size=*/4);
+    }
+  }
+}
+
+TEST_CASE("an already-sharded module: a second Run returns false and the text is unchanged",
+          "[weight-update-sharder][idempotent]") {
+  for (const char* text : {kAdam, kMomentum, kLamb, kClip, kPadded, kFallback}) {
+    Sharded s = RunSharder(text);
+    REQUIRE(s.changed);
+    Module again = s.after;
+    WeightUpdateSharder second;
+    CHECK_FALSE(second.Run(again));
+    CHECK(Print(again) == s.text);
+  }
+  SECTION("also after the collective combiner") {
+    Sharded s = RunSharder(kClip);
+    Module combined = s.after;
+    CollectiveCombiner(1 << 20, 64).Run(combined);
+    const std::string text = Print(combined);
+    WeightUpdateSharder second;
+    CHECK_FALSE(second.Run(combined));
+    CHECK(Print(combined) == text);
+  }
+  SECTION("with gather_at_start") {
+    ShardingOptions o;
+    o.gather_at_start = true;
+    Sharded s = RunSharder(kForward, o);
+    Module again = s.after;
+    WeightUpdateSharder second(o);
+    CHECK_FALSE(second.Run(again));
+    CHECK(Print(again) == s.text);
+  }
+}
+
+TEST_CASE("replicas=1, or a group of one: no change", "[weight-update-sharder][noop]") {
+  SECTION("replicas=1") {
+    std::string text = kAdam;
+    text.replace(text.find("replicas=2"), 10, "replicas=1");
+    Sharded s = RunSharder(text);
+    CHECK_FALSE(s.changed);
+    CHECK(s.text == Print(s.before));
+    CHECK(Count(s.text, "all_reduce(") == 1);
+  }
+  SECTION("group_size=1") {
+    ShardingOptions o;
+    o.group_size = 1;
+    Sharded s = RunSharder(kMomentum, o);
+    CHECK_FALSE(s.changed);
+    CHECK(s.text == Print(s.before));
+  }
+}
+
+TEST_CASE("a module without a weight update: Run returns false and the text is unchanged",
+          "[weight-update-sharder][noop][bug]") {
+  // replicas=2, a forward with an all-reduced output and a step counter: nothing to shard.
+  const char* text = R"IR(
+module @forward_only replicas=2 {
+  %0 = input @x : f32[4]
+  %1 = variable @w {role="weight"} : f32[4]
+  %2 = mul(%0, %1) : f32[4]
+  %3 = all_reduce(%2) {reduction="mean"} : f32[4]
+  %4 = variable @count {role="step"} : s32[]
+  %5 = constant {value=1} : s32[]
+  %6 = add(%4, %5) : s32[]
+  assign @count = %6
+  output @y = %3
+}
+)IR";
+  Sharded s = RunSharder(text);
+  CHECK(s.text == Print(s.before));
+  CHECK_FALSE(s.changed);  // Pass::Run "returns whether it changed anything"
+}
+
+TEST_CASE("gather_at_start: weights become sharded variables and the forward reads their all-gather",
+          "[weight-update-sharder][gather-at-start]") {
+  ShardingOptions o;
+  o.gather_at_start = true;
+  Sharded s = RunSharder(kForward, o);
+  INFO(s.text);
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[W:%\d+]] = variable @w {logical_shape=[4,3], role="weight", shard_count=2, shard_format="dim0"} : f32[2,3]
+    CHECK: [[B:%\d+]] = variable @b {logical_shape=[3], role="weight", shard_count=2, shard_format="flat"} : f32[2]
+    CHECK: variable @w/momentum {logical_shape=[4,3], role="optimizer_state", shard_count=2, shard_format="dim0"} : f32[2,3]
+    CHECK: [[WF:%\d+]] = all_gather([[W]]) {group_size=2} : f32[4,3]
+    CHECK-NEXT: [[H:%\d+]] = matmul(%0, [[WF]]) {transpose_a=0, transpose_b=0} : f32[2,3]
+    CHECK: [[BF:%\d+]] = all_gather([[B]]) {group_size=2} : f32[4]
+    CHECK-NEXT: [[BL:%\d+]] = slice([[BF]]) {limit=[3], start=[0]} : f32[3]
+    CHECK: [[NW:%\d+]] = sub([[W]], {{%\d+}}) : f32[2,3]
+    CHECK: [[NB:%\d+]] = sub([[B]], {{%\d+}}) : f32[2]
+    CHECK: assign @w = [[NW]]
+    CHECK: assign @b = [[NB]]
+    CHECK: output @h = [[H]]
+    CHECK: output @b = [[BL]]
+  )C") == "");
+  // The weights are not gathered at the end of the step any more: the only all-gathers read variables.
+  for (const Instr& in : s.after.instrs)
+    if (in.op == OpCode::kAllGather) CHECK(s.after.at(in.operands[0]).op == OpCode::kVariable);
+  CHECK(Count(s.text, "all_gather(") == 2);
+  CHECK(Count(s.text, "reduce_scatter(") == 2);
+  REQUIRE(s.report.variables.size() == 3);
+  CHECK(s.report.variables[0].sharded);
+  CHECK(s.report.variables[0].why == "weight: sharded, all-gathered at the start of the step");
+  CHECK(s.report.variables[1].sharded);
+  CHECK(s.report.variables[1].padding == 1);
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/0);
+}
+
+// Optimizer state that something outside the update reads must stay whole. Here an output reads the
+// momentum buffer directly: sharding it would silently change what the output holds.
+TEST_CASE("optimizer state read by an output stays replicated", "[weight-update-sharder][bug]") {
+  const char* text = R"IR(
+module @state_output replicas=2 {
+  %0 = input @x : f32[4]
+  %1 = variable @w {role="weight"} : f32[4]
+  %2 = mul(%0, %1) : f32[4]
+  %3 = all_reduce(%2) {reduction="mean"} : f32[4]
+  %4 = variable @w/momentum {role="optimizer_state"} : f32[4]
+  %5 = constant {value=0.9} : f32[4]
+  %6 = mul(%5, %4) : f32[4]
+  %7 = add(%6, %3) : f32[4]
+  %8 = sub(%1, %7) : f32[4]
+  assign @w/momentum = %7
+  assign @w = %8
+  output @momentum = %4
+}
+)IR";
+  Sharded s = RunSharder(text);
+  INFO(s.text);
+  CHECK(s.after.type(s.after.FindOutput("momentum")).ToString() == "f32[4]");
+  REQUIRE(s.report.variables.size() == 2);
+  CHECK_FALSE(s.report.variables[1].sharded);
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/0);
+}
+
+// Every kind of row: sharded / replicated weight (dim0, flat), a variable the update does not assign,
+// the step counter, sharded state (dim0, flat with padding), state read outside the update, a variable
+// of another role; and a fallback (a per-column scale broadcast from [3] to [4,3]).
+const char* kReport = R"IR(
+module @report replicas=2 {
+  %0 = input @x : f32[4,3]
+  %1 = input @y : f32[5]
+  %2 = variable @w {role="weight"} : f32[4,3]
+  %3 = variable @b {role="weight"} : f32[5]
+  %4 = variable @frozen {role="weight"} : f32[2]
+  %5 = mul(%0, %2) : f32[4,3]
+  %6 = all_reduce(%5) {reduction="mean"} : f32[4,3]
+  %7 = mul(%1, %3) : f32[5]
+  %8 = all_reduce(%7) {reduction="mean"} : f32[5]
+  %9 = variable @step {role="step"} : s32[]
+  %10 = variable @w/m {role="optimizer_state"} : f32[4,3]
+  %11 = variable @b/m {role="optimizer_state"} : f32[5]
+  %12 = variable @b/ema {role="optimizer_state"} : f32[5]
+  %13 = variable @scale {role="hyper"} : f32[4,3]
+  %14 = variable @col {role="hyper"} : f32[3]
+  %15 = constant {value=0.9} : f32[4,3]
+  %16 = mul(%15, %10) : f32[4,3]
+  %17 = add(%16, %6) : f32[4,3]
+  %18 = broadcast(%14) {dims=[1], shape=[4,3]} : f32[4,3]
+  %19 = mul(%18, %17) : f32[4,3]
+  %20 = mul(%13, %19) : f32[4,3]
+  %21 = sub(%2, %20) : f32[4,3]
+  %22 = constant {value=0.5} : f32[4,3]
+  %23 = mul(%22, %13) : f32[4,3]
+  %24 = constant {value=0.9} : f32[5]
+  %25 = mul(%24, %11) : f32[5]
+  %26 = add(%25, %8) : f32[5]
+  %27 = constant {value=0.1} : f32[5]
+  %28 = mul(%27, %26) : f32[5]
+  %29 = sub(%3, %28) : f32[5]
+  %30 = constant {value=0.5} : f32[5]
+  %31 = mul(%30, %12) : f32[5]
+  %32 = mul(%30, %3) : f32[5]
+  %33 = add(%31, %32) : f32[5]
+  %34 = reduce_sum(%12) {axes=[0]} : f32[]
+  %35 = constant {value=1} : s32[]
+  %36 = add(%9, %35) : s32[]
+  assign @w = %21
+  assign @b = %29
+  assign @step = %36
+  assign @w/m = %17
+  assign @b/m = %26
+  assign @b/ema = %33
+  assign @scale = %23
+  output @ema_sum = %34
+}
+)IR";
+
+TEST_CASE("report: one row per variable (sharded, why, format, padding, bytes) and the printed table",
+          "[weight-update-sharder][report]") {
+  Sharded s = RunSharder(kReport);
+  INFO(s.text);
+  const ShardingReport& r = s.report;
+  CHECK(r.group_size == 2);
+  struct Row {
+    const char* name;
+    const char* role;
+    bool sharded;
+    const char* format;
+    int64_t padding, before, after;
+    const char* why;
+  };
+  const std::vector<Row> expected = {
+      {"w", "weight", false, "dim0", 0, 48, 48, "weight: update runs on a local slice, all-gathered at the end of the step"},
+      {"b", "weight", false, "flat", 1, 20, 20, "weight: update runs on a local slice, all-gathered at the end of the step"},
+      {"frozen", "weight", false, "-", 0, 8, 8, "not updated by the weight update"},
+      {"step", "step", false, "-", 0, 4, 4, "scalar: replicated"},
+      {"w/m", "optimizer_state", true, "dim0", 0, 48, 24, "optimizer state: lives as a 1/N shard"},
+      {"b/m", "optimizer_state", true, "flat", 1, 20, 12, "optimizer state: lives as a 1/N shard"},
+      {"b/ema", "optimizer_state", false, "-", 0, 20, 20, "used outside the weight update: replicated"},
+      {"scale", "hyper", false, "-", 0, 48, 48, "replicated"},
+      {"col", "hyper", false, "-", 0, 12, 12, "not updated by the weight update"},
+  };
+  REQUIRE(r.variables.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const VariableShardingRow& row = r.variables[i];
+    const Row& e = expected[i];
+    INFO("row " << i << ": " << row.name);
+    CHECK(row.name == e.name);
+    CHECK(row.role == e.role);
+    CHECK(row.sharded == e.sharded);
+    CHECK(row.format == e.format);
+    CHECK(row.padding == e.padding);
+    CHECK(row.bytes_before == e.before);
+    CHECK(row.bytes_after == e.after);
+    CHECK(row.why == e.why);
+    // DESIGN §5: sharded bytes = replicated / N plus at most N-1 padding elements.
+    if (row.sharded) {
+      CHECK(row.bytes_after * 2 == row.bytes_before + 4 * row.padding);
+      CHECK(row.padding <= 1);
+    }
+  }
+  REQUIRE(r.fallbacks.size() == 1);
+  CHECK_THAT(r.fallbacks[0], Catch::Contains("broadcast(f32[3]) -> f32[4,3]") &&
+                                 Catch::Contains("not partitionable; runs replicated on all-gathered values"));
+
+  const std::string table = r.ToString();
+  INFO(table);
+  const std::vector<std::string> lines = Lines(table);
+  REQUIRE(lines.size() == 1 + expected.size() + 1 + 1);
+  CHECK(FileCheck(table, R"C(
+    CHECK: variable{{ +}}role{{ +}}sharded{{ +}}format{{ +}}padding{{ +}}bytes before{{ +}}bytes after{{ +}}why
+    CHECK-NEXT: w {{ +}}weight {{ +}}no {{ +}}dim0 {{ +}}0 {{ +}}48 B {{ +}}48 B {{ +}}weight: update runs on a local slice
+    CHECK-NEXT: b {{ +}}weight {{ +}}no {{ +}}flat {{ +}}1 {{ +}}20 B {{ +}}20 B
+    CHECK-NEXT: frozen {{ +}}weight {{ +}}no {{ +}}- {{ +}}0 {{ +}}8 B {{ +}}8 B {{ +}}not updated by the weight update
+    CHECK-NEXT: step {{ +}}step {{ +}}no {{ +}}- {{ +}}0 {{ +}}4 B {{ +}}4 B {{ +}}scalar: replicated
+    CHECK-NEXT: w/m {{ +}}optimizer_state {{ +}}yes {{ +}}dim0 {{ +}}0 {{ +}}48 B {{ +}}24 B {{ +}}optimizer state: lives as a 1/N shard
+    CHECK-NEXT: b/m {{ +}}optimizer_state {{ +}}yes {{ +}}flat {{ +}}1 {{ +}}20 B {{ +}}12 B
+    CHECK-NEXT: b/ema {{ +}}optimizer_state {{ +}}no {{ +}}- {{ +}}0 {{ +}}20 B {{ +}}20 B {{ +}}used outside the weight update: replicated
+    CHECK-NEXT: scale {{ +}}hyper {{ +}}no {{ +}}- {{ +}}0 {{ +}}48 B {{ +}}48 B {{ +}}replicated
+    CHECK-NEXT: col {{ +}}hyper {{ +}}no
+    CHECK-NEXT: total {{ +}}228 B {{ +}}196 B {{ +}}(per replica, group of 2)
+    CHECK-NEXT: fallback: %18 broadcast(f32[3]) -> f32[4,3]: not partitionable
+  )C") == "");
+  // Columns line up: every row's "sharded" column starts where the header's does.
+  const size_t col = lines[0].find("sharded");
+  for (size_t i = 1; i <= expected.size(); ++i) CHECK(lines[i].substr(col, 2) == (expected[i - 1].sharded ? "ye" : "no"));
+  EXPECT_SAME_TRAINING(s.before, s.after, /*tol=*/0);
+}
+
+TEST_CASE("report: KiB and MiB in the byte columns", "[weight-update-sharder][report]") {
+  const char* text = R"IR(
+module @big replicas=4 {
+  %0 = input @x : f32[512,512]
+  %1 = variable @w {role="weight"} : f32[512,512]
+  %2 = mul(%0, %1) : f32[512,512]
+  %3 = all_reduce(%2) {reduction="mean"} : f32[512,512]
+  %4 = variable @w/momentum {role="optimizer_state"} : f32[512,512]
+  %5 = constant {value=0.9} : f32[512,512]
+  %6 = mul(%5, %4) : f32[512,512]
+  %7 = add(%6, %3) : f32[512,512]
+  %8 = sub(%1, %7) : f32[512,512]
+  %9 = input @y : f32[256]
+  %10 = variable @b {role="weight"} : f32[256]
+  %11 = mul(%9, %10) : f32[256]
+  %12 = all_reduce(%11) {reduction="mean"} : f32[256]
+  %13 = variable @b/momentum {role="optimizer_state"} : f32[256]
+  %14 = constant {value=0.9} : f32[256]
+  %15 = mul(%14, %13) : f32[256]
+  %16 = add(%15, %12) : f32[256]
+  %17 = sub(%10, %16) : f32[256]
+  assign @w/momentum = %7
+  assign @w = %8
+  assign @b/momentum = %16
+  assign @b = %17
+}
+)IR";
+  Sharded s = RunSharder(text);
+  const std::string table = s.report.ToString();
+  INFO(table);
+  CHECK(FileCheck(table, R"C(
+    CHECK: w {{ +}}weight {{ +}}no {{ +}}dim0 {{ +}}0 {{ +}}1.00 MiB {{ +}}1.00 MiB
+    CHECK: w/momentum {{ +}}optimizer_state {{ +}}yes {{ +}}dim0 {{ +}}0 {{ +}}1.00 MiB {{ +}}256.0 KiB
+    CHECK: b {{ +}}weight {{ +}}no {{ +}}dim0 {{ +}}0 {{ +}}1.0 KiB {{ +}}1.0 KiB
+    CHECK: b/momentum {{ +}}optimizer_state {{ +}}yes {{ +}}dim0 {{ +}}0 {{ +}}1.0 KiB {{ +}}256 B
+    CHECK: total {{ +}}2.00 MiB {{ +}}1.25 MiB {{ +}}(per replica, group of 4)
+  )C") == "");
+}
+
+}  // namespace
+}  // namespace shardstep::ir

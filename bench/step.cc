@@ -1,0 +1,279 @@
+// bench/step: one-replica training step (forward + backward + Adam) of the MLP 784-1024-1024-10 and
+// the CNN at batch 128 on the CPU JIT, against PyTorch 1.13 running the same models in a child
+// process (bench/torch_step.py, torch.set_num_threads(2), OPENBLAS_NUM_THREADS=1), measured
+// alternately in one run; medians and ratios. Also: the step's achieved GFLOP/s vs oneDNN sgemm
+// measured here, and the fused-Adam update's bytes/s vs a STREAM triad measured here.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dsl/dsl.h"
+#include "ir/builder.h"
+#include "ir/error.h"
+#include "jit/cpu_executor.h"
+#include "jit/dnnl_kernels.h"
+#include "models/models.h"
+#include "runtime/sharding.h"
+
+using namespace shardstep;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double Seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+double CpuSeconds() {
+  rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_utime.tv_sec + u.ru_stime.tv_sec + 1e-6 * (u.ru_utime.tv_usec + u.ru_stime.tv_usec);
+}
+
+// The PyTorch child: line protocol over two pipes.
+class Torch {
+ public:
+  explicit Torch(const std::string& script) {
+    int in[2], out[2];
+    if (pipe(in) != 0 || pipe(out) != 0) throw Error("pipe failed");
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(in[0], 0);
+      dup2(out[1], 1);
+      close(in[1]);
+      close(out[0]);
+      setenv("OPENBLAS_NUM_THREADS", "1", 1);
+      execl("/usr/bin/python3", "python3", script.c_str(), "2", static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(in[0]);
+    close(out[1]);
+    to_ = fdopen(in[1], "w");
+    from_ = fdopen(out[0], "r");
+    banner_ = ReadLine();
+    if (banner_.rfind("ready", 0) != 0) throw Error("PyTorch child did not start: " + banner_);
+  }
+  ~Torch() {
+    if (to_) {
+      std::fputs("quit\n", to_);
+      std::fflush(to_);
+      std::fclose(to_);
+    }
+    if (from_) std::fclose(from_);
+    if (pid_ > 0) waitpid(pid_, nullptr, 0);
+  }
+  const std::string& banner() const { return banner_; }
+  std::vector<double> Steps(const std::string& model, int k) {
+    std::fprintf(to_, "%s %d\n", model.c_str(), k);
+    std::fflush(to_);
+    std::istringstream is(ReadLine());
+    std::vector<double> ms;
+    for (double t; is >> t;) ms.push_back(t);
+    if (static_cast<int>(ms.size()) != k) throw Error("PyTorch child failed");
+    return ms;
+  }
+
+ private:
+  std::string ReadLine() {
+    std::string s;
+    for (int c; (c = std::fgetc(from_)) != EOF && c != '\n';) s.push_back(static_cast<char>(c));
+    return s;
+  }
+  pid_t pid_ = -1;
+  FILE* to_ = nullptr;
+  FILE* from_ = nullptr;
+  std::string banner_;
+};
+
+// Multiply-add FLOPs of the step's matmuls and convolutions (2 per multiply-add).
+double StepFlops(const ir::Module& m) {
+  double f = 0;
+  for (const ir::Instr& in : m.instrs) {
+    auto sh = [&](int i) { return m.type(in.operands[i]).shape; };
+    switch (in.op) {
+      case ir::OpCode::kMatmul: {
+        const bool ta = in.GetInt("transpose_a", 0) != 0;
+        f += 2.0 * in.type.shape[0] * in.type.shape[1] * (ta ? sh(0)[0] : sh(0)[1]);
+        break;
+      }
+      case ir::OpCode::kConv2d:  // y [N,O,OH,OW], w [O,C,KH,KW]
+        f += 2.0 * ir::NumElements(in.type.shape) * sh(1)[1] * sh(1)[2] * sh(1)[3];
+        break;
+      case ir::OpCode::kConv2dInputGrad:  // dy [N,O,OH,OW], w
+        f += 2.0 * ir::NumElements(sh(0)) * sh(1)[1] * sh(1)[2] * sh(1)[3];
+        break;
+      case ir::OpCode::kConv2dFilterGrad:  // x, dy [N,O,OH,OW] -> w [O,C,KH,KW]
+        f += 2.0 * ir::NumElements(sh(1)) * in.type.shape[1] * in.type.shape[2] * in.type.shape[3];
+        break;
+      default: break;
+    }
+  }
+  return f;
+}
+
+double SgemmGflops(int64_t m, int64_t n, int64_t k) {
+  std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n);
+  jit::SetOmpThreads(jit::NumCores());  // oneDNN's own (OpenMP) threading, its best case
+  for (int i = 0; i < 3; ++i) jit::DnnlSgemm(false, false, m, n, k, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+  std::vector<double> t;
+  for (int i = 0; i < 20; ++i) {
+    auto t0 = Clock::now();
+    jit::DnnlSgemm(false, false, m, n, k, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+    t.push_back(Seconds(t0, Clock::now()));
+  }
+  jit::SetOmpThreads(1);
+  return 2.0 * m * n * k / Median(t) / 1e9;
+}
+
+// STREAM triad a = b + s * c over n floats, split across the cores with TBB; bytes = 3 * 4 * n.
+double TriadBytesPerSecond(int64_t n) {
+  std::vector<float> a(n), b(n, 1.0f), c(n, 2.0f);
+  const float s = 3.0f;
+  auto run = [&] {
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1 << 16), [&](const tbb::blocked_range<int64_t>& r) {
+      float* __restrict pa = a.data();
+      const float* __restrict pb = b.data();
+      const float* __restrict pc = c.data();
+      for (int64_t i = r.begin(); i < r.end(); ++i) pa[i] = pb[i] + s * pc[i];
+    });
+  };
+  run();
+  std::vector<double> t;
+  for (int i = 0; i < 10; ++i) {
+    auto t0 = Clock::now();
+    run();
+    t.push_back(Seconds(t0, Clock::now()));
+  }
+  return 3.0 * 4 * n / Median(t);
+}
+
+// The JIT'd fused Adam update over n parameters: reads w, g, m, v, writes w, m, v (7 x 4 bytes).
+double FusedAdamBytesPerSecond(int64_t n, int* kernels) {
+  ir::Module m;
+  m.name = "adam";
+  ir::Builder b(&m);
+  const ir::TensorType t{ir::DType::kF32, {n}};
+  auto w = b.Variable("w", t, ir::kRoleWeight), mm = b.Variable("m", t, ir::kRoleOptimizerState),
+       v = b.Variable("v", t, ir::kRoleOptimizerState);
+  auto g = b.Input("g", t);
+  auto lr = b.Input("lr", {ir::DType::kF32, {}});
+  auto m2 = b.Add(b.MulScalar(mm, 0.9), b.MulScalar(g, 0.1));
+  auto v2 = b.Add(b.MulScalar(v, 0.999), b.Mul(b.MulScalar(g, 0.001), g));
+  auto w2 = b.Sub(w, b.Div(b.Mul(b.BroadcastScalar(lr, {n}), m2), b.AddScalar(b.Unary(ir::OpCode::kSqrt, v2), 1e-8)));
+  m.assigns = {{w, w2}, {mm, m2}, {v, v2}};
+  auto step = jit::CompiledStep::Compile(m);
+  *kernels = static_cast<int>(step->kernels().size());
+  runtime::TensorMap vars{{"w", runtime::Tensor(t)}, {"m", runtime::Tensor(t)}, {"v", runtime::Tensor(t)}};
+  runtime::TensorMap inputs{{"g", runtime::Tensor(t)}, {"lr", runtime::Tensor::Scalar(1e-3f)}};
+  std::fill(inputs["g"].f32.begin(), inputs["g"].f32.end(), 0.01f);
+  jit::Workspace ws;
+  for (int i = 0; i < 2; ++i) step->Run(vars, inputs, 0, nullptr, &ws);
+  std::vector<double> ts;
+  for (int i = 0; i < 10; ++i) {
+    auto t0 = Clock::now();
+    step->Run(vars, inputs, 0, nullptr, &ws);
+    ts.push_back(Seconds(t0, Clock::now()));
+  }
+  return 7.0 * 4 * n / Median(ts);
+}
+
+struct Row {
+  std::string model;
+  double jit_ms, torch_ms, gflop, cpu_util;
+};
+
+Row BenchModel(const std::string& name, Torch& torch, int rounds, int k) {
+  dsl::Model m(name, 1);
+  models::ModelOptions mo;
+  mo.batch = 128;
+  mo.hidden = {1024, 1024};
+  dsl::Tensor loss = name == "cnn" ? models::DefineCnn(m, mo) : models::DefineMlp(m, mo);
+  dsl::Program p = m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(1).build();
+  jit::CpuExecutor exec(p.step, runtime::InitLogicalState(p.step));
+  runtime::TensorMap batch;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  const ir::TensorType it = p.step.type(p.step.FindInput("image"));
+  batch["image"] = runtime::Tensor(it);
+  for (float& x : batch["image"].f32) x = nd(rng);
+  batch["label"] = runtime::Tensor(p.step.type(p.step.FindInput("label")));
+  for (int32_t& l : batch["label"].s32) l = static_cast<int32_t>(rng() % 10);
+  for (int i = 0; i < 3; ++i) exec.Step(batch);
+  std::vector<double> jit_ms, torch_ms;
+  double cpu = 0, wall = 0;
+  for (int r = 0; r < rounds; ++r) {
+    for (int i = 0; i < k; ++i) {
+      const double c0 = CpuSeconds();
+      auto t0 = Clock::now();
+      exec.Step(batch);
+      const double s = Seconds(t0, Clock::now());
+      cpu += CpuSeconds() - c0;
+      wall += s;
+      jit_ms.push_back(s * 1e3);
+    }
+    auto t = torch.Steps(name, k);
+    torch_ms.insert(torch_ms.end(), t.begin(), t.end());
+  }
+  std::cout << "  " << name << ": jit compile " << exec.compile_info().source << " " << std::fixed << std::setprecision(3)
+            << exec.compile_info().seconds << " s, " << exec.compile_info().kernels << " fused kernels\n";
+  return {name, Median(jit_ms), Median(torch_ms), StepFlops(p.step) / 1e9, cpu / wall};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const int rounds = argc > 1 ? std::atoi(argv[1]) : 8;
+    const int k = 5;
+    std::string here = __FILE__;  // the script sits beside this file
+    std::string script = here.substr(0, here.find_last_of('/') + 1) + "torch_step.py";
+    if (const char* e = std::getenv("SHARDSTEP_TORCH_SCRIPT")) script = e;
+    jit::ConfigureThreadsForReplica(1);
+    std::cout << "threads: " << jit::NumCores() << " cores; one replica thread; oneDNN (OpenMP) threads "
+              << jit::OmpMaxThreads() << " per call (matmuls split into TBB tasks); TBB max concurrency "
+              << tbb::this_task_arena::max_concurrency() << "; OpenBLAS 1 thread\n";
+    Torch torch(script);
+    std::cout << "pytorch child: " << torch.banner() << ", OPENBLAS_NUM_THREADS=1\n";
+    std::cout << "measuring alternately, " << rounds << " rounds x " << k << " steps each, batch 128, Adam\n";
+    std::vector<Row> rows;
+    for (const char* name : {"mlp", "cnn"}) rows.push_back(BenchModel(name, torch, rounds, k));
+    const double sgemm_mlp = SgemmGflops(128, 1024, 1024), sgemm_big = SgemmGflops(1024, 1024, 1024);
+    std::cout << "\n" << std::left << std::setw(6) << "model" << std::right << std::setw(12) << "jit ms" << std::setw(12)
+              << "torch ms" << std::setw(10) << "ratio" << std::setw(12) << "GFLOP/step" << std::setw(12) << "GFLOP/s"
+              << std::setw(16) << "cpu/wall (jit)" << "\n";
+    for (const Row& r : rows)
+      std::cout << std::left << std::setw(6) << r.model << std::right << std::fixed << std::setprecision(2)
+                << std::setw(12) << r.jit_ms << std::setw(12) << r.torch_ms << std::setw(10) << r.jit_ms / r.torch_ms
+                << std::setw(12) << std::setprecision(3) << r.gflop << std::setw(12) << std::setprecision(1)
+                << r.gflop / (r.jit_ms / 1e3) << std::setw(16) << std::setprecision(2) << r.cpu_util << "\n";
+    std::cout << "oneDNN sgemm (same binary, 2 threads): " << std::setprecision(1) << sgemm_mlp
+              << " GFLOP/s at 128x1024x1024, " << sgemm_big << " GFLOP/s at 1024^3\n";
+    std::cout << "targets: mlp ratio <= 0.70, cnn ratio <= 1.00\n";
+
+    int kernels = 0;
+    const int64_t n = 10'000'000;
+    const double adam = FusedAdamBytesPerSecond(n, &kernels), triad = TriadBytesPerSecond(n);
+    std::cout << "\nfused Adam over " << n << " parameters (" << kernels << " JIT kernel, 7 x 4 bytes/param): "
+              << std::setprecision(2) << adam / 1e9 << " GB/s; STREAM triad (3 x 4 bytes/elem): " << triad / 1e9
+              << " GB/s; fraction " << adam / triad << " (target >= 0.6)\n";
+  } catch (const std::exception& e) {
+    std::cerr << "bench/step: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,640 @@
+// CompiledStep: plans, compiles and runs one step module on the CPU.
+//
+// Planning:
+//  1. ElementwiseFuser marks fusion groups; each group becomes one JIT'd loop (FusedKernel) whose
+//     inputs are the members' operands from outside (splat constants are inlined) and whose outputs
+//     are the members read outside the group (by another op, an assign or an output).
+//  2. The schedule is a topological order of kernels and the remaining instructions (a kernel runs
+//     when all its inputs exist; the fuser guarantees the condensed graph is acyclic).
+//  3. Every value that is materialised gets one buffer per replica (Workspace), allocated at the
+//     first step and reused: a step allocates nothing except on the reference path. Reshape aliases
+//     its operand; variables and inputs are read in place. An assigned value is swapped into the
+//     variable (no copy) when nothing else holds it.
+// Lowering of the non-fused ops: matmul -> oneDNN sgemm; broadcast, transpose, slice, pad, concat
+// -> strided copies; reductions and gather -> native loops with the interpreter's summation order;
+// conv2d and its gradients -> im2col + oneDNN sgemm per image, max pooling -> native loops
+// (jit/cpu_kernels.h); collectives -> the runtime Collectives; the rest (avg pooling, one-hot,
+// scatter-add, s32 division) -> the interpreter's own kernel on a one-op module, so every op of the
+// table runs.
+#include "jit/compiled_step.h"
+
+#include <llvm/IR/LLVMContext.h>
+#include <llvm/IR/Module.h>
+#include <llvm/Support/raw_ostream.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <queue>
+
+#include "ir/error.h"
+#include "ir/passes/elementwise_fuser.h"
+#include "ir/printer.h"
+#include "ir/shape_inference.h"
+#include "jit/cpu_kernels.h"
+#include "jit/dnnl_kernels.h"
+
+namespace shardstep::jit {
+
+using ir::DType;
+using ir::OpCode;
+using ir::Shape;
+using ir::ValueId;
+using runtime::Tensor;
+using runtime::TensorMap;
+using Strides = std::vector<int64_t>;
+
+namespace {
+
+// Bump when the emitted code changes, so stale cache entries are never used.
+constexpr const char* kEmitterVersion = "shardstep-jit-3";
+constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk of a fused loop
+
+int FusionGroup(const ir::Instr& in) { return static_cast<int>(in.GetInt(ir::kFusionAttr, -1)); }
+
+Strides RowMajor(const Shape& s) {
+  Strides st(s.size());
+  int64_t acc = 1;
+  for (int64_t i = static_cast<int64_t>(s.size()) - 1; i >= 0; --i) st[i] = acc, acc *= s[i];
+  return st;
+}
+
+// dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
+void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
+  const int64_t total = ir::NumElements(shape);
+  if (total == 0) return;
+  if (shape.empty()) {
+    dst[0] = src[0];
+    return;
+  }
+  const int rank = static_cast<int>(shape.size());
+  const int64_t n = shape.back(), si = ss.back();
+  std::vector<int64_t> idx(rank, 0);
+  int64_t off = 0;
+  for (int64_t row = 0, rows = total / n; row < rows; ++row) {
+    const uint32_t* s = src + off;
+    uint32_t* d = dst + row * n;
+    if (si == 1) std::memcpy(d, s, n * 4);
+    else if (si == 0) std::fill(d, d + n, s[0]);
+    else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+    for (int dd = rank - 2; dd >= 0; --dd) {
+      off += ss[dd];
+      if (++idx[dd] < shape[dd]) break;
+      off -= ss[dd] * shape[dd];
+      idx[dd] = 0;
+    }
+  }
+}
+
+// dst viewed through `ds` = src (row-major over `shape`).
+void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, const Strides& ds) {
+  const int64_t total = ir::NumElements(shape);
+  if (total == 0) return;
+  if (shape.empty()) {
+    dst[0] = src[0];
+    return;
+  }
+  const int rank = static_cast<int>(shape.size());
+  const int64_t n = shape.back(), di = ds.back();
+  std::vector<int64_t> idx(rank, 0);
+  int64_t off = 0;
+  for (int64_t row = 0, rows = total / n; row < rows; ++row) {
+    const uint32_t* s = src + row * n;
+    uint32_t* d = dst + off;
+    if (di == 1) std::memcpy(d, s, n * 4);
+    else for (int64_t k = 0; k < n; ++k) d[k * di] = s[k];
+    for (int dd = rank - 2; dd >= 0; --dd) {
+      off += ds[dd];
+      if (++idx[dd] < shape[dd]) break;
+      off -= ds[dd] * shape[dd];
+      idx[dd] = 0;
+    }
+  }
+}
+
+int32_t Wrap(int64_t v) { return static_cast<int32_t>(static_cast<uint32_t>(v)); }
+template <typename T>
+T MaxOf(T a, T b) { return (a > b) | (a != a) ? a : b; }
+
+// Reduces `axes` of x (shape `shape`) into out, folding each output's inputs in increasing input
+// index order, accumulating sums in double (the interpreter's order and precision).
+template <typename T>
+void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape& out_shape, const T* x, T* out,
+            std::vector<double>& acc) {
+  Strides os = RowMajor(out_shape), acc_strides(shape.size(), 0);
+  int64_t count = 1;
+  for (size_t d = 0, j = 0; d < shape.size(); ++d) {
+    if (std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d))) count *= shape[d];
+    else acc_strides[d] = os[j++];
+  }
+  const int64_t nout = ir::NumElements(out_shape), total = ir::NumElements(shape);
+  const int rank = static_cast<int>(shape.size());
+  const int64_t n = shape.empty() ? 1 : shape.back(), inner = acc_strides.empty() ? 0 : acc_strides.back();
+  auto for_rows = [&](auto row) {
+    if (total == 0) return;
+    std::vector<int64_t> idx(std::max(rank, 1), 0);
+    int64_t dst = 0;
+    for (int64_t r = 0, rows = total / n; r < rows; ++r) {
+      row(r * n, dst);
+      for (int dd = rank - 2; dd >= 0; --dd) {
+        dst += acc_strides[dd];
+        if (++idx[dd] < shape[dd]) break;
+        dst -= acc_strides[dd] * shape[dd];
+        idx[dd] = 0;
+      }
+    }
+  };
+  if (op == OpCode::kReduceMax) {
+    T init = std::numeric_limits<T>::lowest();
+    if constexpr (std::is_same_v<T, float>) init = -INFINITY;
+    std::fill(out, out + nout, init);
+    for_rows([&](int64_t src, int64_t dst) {
+      for (int64_t k = 0; k < n; ++k) out[dst + k * inner] = MaxOf(out[dst + k * inner], x[src + k]);
+    });
+    return;
+  }
+  acc.assign(nout, 0.0);
+  for_rows([&](int64_t src, int64_t dst) {
+    if (inner == 0) {
+      double s = acc[dst];
+      for (int64_t k = 0; k < n; ++k) s += x[src + k];
+      acc[dst] = s;
+    } else {
+      double* a = acc.data() + dst;
+      const T* xs = x + src;
+      for (int64_t k = 0; k < n; ++k) a[k * inner] += xs[k];
+    }
+  });
+  const bool mean = op == OpCode::kReduceMean;
+  for (int64_t i = 0; i < nout; ++i) {
+    double v = mean ? (count ? acc[i] / count : (std::is_same_v<T, float> ? NAN : 0.0)) : acc[i];
+    if constexpr (std::is_same_v<T, float>) out[i] = static_cast<float>(v);
+    else out[i] = mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
+  }
+}
+
+runtime::Reduction ReductionOf(const ir::Instr& in) { return runtime::ParseReduction(in.GetString("reduction", "sum")); }
+
+runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int replica, runtime::Collectives* c) {
+  for (const auto& group : ir::ReplicaGroups(in, m.num_replicas)) {
+    if (std::find(group.begin(), group.end(), replica) == group.end()) continue;
+    if (in.Has("group_size") && in.GetInt("group_size") != static_cast<int64_t>(group.size()))
+      throw Error(Str("group_size ", in.GetInt("group_size"), " but replica ", replica, "'s group has ", group.size(),
+                      " members"));
+    if (!c && group.size() != 1) throw Error(Str("a group of ", group.size(), " replicas needs a Collectives implementation"));
+    if (c && in.type.dtype != DType::kF32)
+      throw Error(Str("the Collectives interface carries f32 only, got ", in.type.ToString()));
+    return group;
+  }
+  throw Error(Str("replica ", replica, " is in none of the replica groups"));
+}
+
+const Tensor& LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& in) {
+  auto it = map.find(in.name);
+  if (it == map.end()) throw Error(Str(what, " @", in.name, ": missing (expected ", in.type.ToString(), ")"));
+  const Tensor& t = it->second;
+  if (t.type != in.type) throw Error(Str(what, " @", in.name, ": expected ", in.type.ToString(), ", got ", t.type.ToString()));
+  const size_t held = t.dtype() == DType::kF32 ? t.f32.size() : t.s32.size();
+  if (static_cast<int64_t>(held) != t.elements())
+    throw Error(Str(what, " @", in.name, ": ", t.type.ToString(), " holds ", held, " values"));
+  return t;
+}
+
+int32_t ToS32(double v) {
+  if (std::isnan(v)) return 0;
+  if (v >= 2147483647.0) return std::numeric_limits<int32_t>::max();
+  if (v <= -2147483648.0) return std::numeric_limits<int32_t>::min();
+  return static_cast<int32_t>(v);
+}
+
+std::mutex g_cache_mu;
+std::map<std::string, std::shared_ptr<const CompiledStep>>& MemoryCache() {
+  static std::map<std::string, std::shared_ptr<const CompiledStep>> cache;
+  return cache;
+}
+
+}  // namespace
+
+Lowering LoweringOf(const ir::Module& m, ValueId v) {
+  const ir::Instr& in = m.at(v);
+  if (ir::HasProperty(in.op, ir::kLeaf)) return Lowering::kLeaf;
+  if (in.Has(ir::kFusionAttr) || ir::IsFusible(m, v)) return Lowering::kFused;
+  switch (in.op) {
+    case OpCode::kReshape: return Lowering::kAlias;
+    case OpCode::kMatmul: return Lowering::kMatmul;
+    case OpCode::kAllReduce:
+    case OpCode::kReduceScatter:
+    case OpCode::kAllGather: return Lowering::kCollective;
+    case OpCode::kBroadcast:
+    case OpCode::kTranspose:
+    case OpCode::kSlice:
+    case OpCode::kPad:
+    case OpCode::kConcat:
+    case OpCode::kReduceSum:
+    case OpCode::kReduceMax:
+    case OpCode::kReduceMean:
+    case OpCode::kGather:
+    case OpCode::kConv2d:
+    case OpCode::kConv2dInputGrad:
+    case OpCode::kConv2dFilterGrad:
+    case OpCode::kMaxPool:
+    case OpCode::kMaxPoolGrad: return Lowering::kNative;
+    default: return Lowering::kReference;
+  }
+}
+
+CompiledStep::~CompiledStep() = default;
+
+void CompiledStep::Plan() {
+  const int n = m_.size();
+  // 1. Kernels from the fusion groups.
+  std::map<int, int> kernel_of_group;
+  std::vector<int> kernel_of(n, -1);
+  for (ValueId v = 0; v < n; ++v) {
+    const int g = FusionGroup(m_.at(v));
+    if (g < 0) continue;
+    auto [it, fresh] = kernel_of_group.emplace(g, static_cast<int>(kernels_.size()));
+    if (fresh) {
+      kernels_.emplace_back();
+      kernels_.back().name = "ss_k" + std::to_string(it->second);
+      kernels_.back().shape = m_.type(v).shape;
+    }
+    kernel_of[v] = it->second;
+    kernels_[it->second].members.push_back(v);
+  }
+  const auto users = m_.Users();
+  std::vector<char> external(n, 0);  // read outside its kernel (or not in one)
+  for (auto& [var, v] : m_.assigns) external[v] = 1;
+  for (auto& [name, v] : m_.outputs) external[v] = 1;
+  for (ValueId v = 0; v < n; ++v)
+    for (ValueId u : users[v])
+      if (kernel_of[u] < 0 || kernel_of[u] != kernel_of[v]) external[v] = 1;
+  for (FusedKernel& k : kernels_) {
+    const int id = kernel_of[k.members[0]];
+    for (ValueId v : k.members) {
+      for (ValueId o : m_.at(v).operands) {
+        if (kernel_of[o] == id || m_.at(o).op == OpCode::kConstant) continue;
+        if (std::find(k.inputs.begin(), k.inputs.end(), o) == k.inputs.end()) k.inputs.push_back(o);
+      }
+      if (external[v]) k.outputs.push_back(v);
+    }
+  }
+  info_.kernels = static_cast<int>(kernels_.size());
+  info_.fused_ops = 0;
+  for (auto& k : kernels_) info_.fused_ops += static_cast<int>(k.members.size());
+
+  // Buffers: every non-member value, except constants only inlined into kernels; kernel outputs.
+  needs_buffer_.assign(n, 0);
+  for (ValueId v = 0; v < n; ++v) {
+    if (kernel_of[v] >= 0) needs_buffer_[v] = external[v];
+    else if (m_.at(v).op == OpCode::kConstant) {
+      bool other = false;
+      for (auto& [var, a] : m_.assigns) other |= a == v;
+      for (auto& [name, o] : m_.outputs) other |= o == v;
+      for (ValueId u : users[v]) other |= kernel_of[u] < 0;
+      needs_buffer_[v] = other;
+    } else needs_buffer_[v] = 1;
+  }
+
+  // 2. Schedule: Kahn's algorithm over kernels and the other instructions, in module order where possible.
+  const int nodes = n + static_cast<int>(kernels_.size());
+  auto node_of = [&](ValueId v) { return kernel_of[v] >= 0 ? n + kernel_of[v] : v; };
+  std::vector<std::vector<int>> succ(nodes);
+  std::vector<int> indeg(nodes, 0), key(nodes, 0);
+  std::vector<char> present(nodes, 0);
+  for (ValueId v = 0; v < n; ++v) {
+    const int nv = node_of(v);
+    present[nv] = 1;
+    key[nv] = std::max(key[nv], v);
+    for (ValueId o : m_.at(v).operands) {
+      const int no = node_of(o);
+      if (no == nv) continue;
+      if (kernel_of[v] >= 0 && m_.at(o).op == OpCode::kConstant) continue;  // inlined
+      succ[no].push_back(nv);
+      ++indeg[nv];
+    }
+  }
+  using Item = std::pair<int, int>;  // (key, node)
+  std::priority_queue<Item, std::vector<Item>, std::greater<Item>> ready;
+  for (int x = 0; x < nodes; ++x)
+    if (present[x] && indeg[x] == 0) ready.push({key[x], x});
+  while (!ready.empty()) {
+    const int x = ready.top().second;
+    ready.pop();
+    Step s;
+    if (x >= n) s.kernel = x - n;
+    else s.value = x;
+    schedule_.push_back(s);
+    for (int y : succ[x])
+      if (--indeg[y] == 0) ready.push({key[y], y});
+  }
+  int expected = 0;
+  for (int x = 0; x < nodes; ++x) expected += present[x];
+  SS_CHECK(static_cast<int>(schedule_.size()) == expected, "fusion groups form a cycle");
+
+  // 3. One-op modules for the interpreter's kernels.
+  reference_.assign(n, ir::Module());
+  for (ValueId v = 0; v < n; ++v) {
+    if (kernel_of[v] >= 0 || LoweringOf(m_, v) != Lowering::kReference) continue;
+    ir::Module& r = reference_[v];
+    r.name = "ref";
+    r.num_replicas = 1;
+    ir::Instr op = m_.at(v);
+    op.attrs.erase(ir::kFusionAttr);
+    for (size_t i = 0; i < op.operands.size(); ++i) {
+      ir::Instr in;
+      in.op = OpCode::kInput;
+      in.name = "x" + std::to_string(i);
+      in.type = m_.type(op.operands[i]);
+      r.Append(in);
+      op.operands[i] = static_cast<ValueId>(i);
+    }
+    const ValueId out = r.Append(op);
+    r.outputs.push_back({"y", out});
+  }
+}
+
+std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& module, const JitOptions& options) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ir::Module m = module;
+  ir::ElementwiseFuser().Run(m);
+  const std::string text = ir::Print(m);
+  const std::string mem_key = HashHex(text) + (options.disk_cache ? "d" : "n") + options.cache_dir;
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  if (auto it = MemoryCache().find(mem_key); options.memory_cache && it != MemoryCache().end()) {
+    auto copy = std::shared_ptr<CompiledStep>(new CompiledStep(*it->second));
+    copy->info_.source = "memory cache";
+    copy->info_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return copy;
+  }
+  auto step = std::shared_ptr<CompiledStep>(new CompiledStep());
+  step->m_ = std::move(m);
+  step->Plan();
+  step->info_.source = "compiled";
+  if (!step->kernels_.empty()) {
+    step->jit_ = JitCompiler::Create(options);
+    step->info_.key = HashHex(text + "|" + kEmitterVersion + "|" + step->jit_->target_key());
+    if (step->jit_->AddCachedObject(step->info_.key)) {
+      step->info_.source = "disk cache";
+    } else {
+      step->info_.rejected_corrupt = step->jit_->cache_rejects() > 0;
+      auto ctx = std::make_unique<llvm::LLVMContext>();
+      auto mod = EmitKernels(step->m_, step->kernels_, *ctx, step->info_.key);
+      step->jit_->AddModule(std::move(mod), std::move(ctx), step->info_.key);
+    }
+    for (const FusedKernel& k : step->kernels_)
+      step->fns_.push_back(reinterpret_cast<KernelFn>(step->jit_->Lookup(k.name)));
+  }
+  step->info_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  MemoryCache()[mem_key] = step;
+  return step;
+}
+
+void CompiledStep::Allocate(Workspace* ws) const {
+  const int n = m_.size();
+  ws->owner = this;
+  ws->owned.assign(n, Tensor());
+  ws->ptr.assign(n, nullptr);
+  ws->is_owned.assign(n, 0);
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (!needs_buffer_[v] || in.op == OpCode::kVariable || in.op == OpCode::kInput) continue;
+    if (LoweringOf(m_, v) == Lowering::kAlias) continue;
+    ws->owned[v] = Tensor(in.type);
+    ws->is_owned[v] = 1;
+    if (in.op == OpCode::kConstant) {
+      const double c = in.GetFloat("value");
+      if (in.type.dtype == DType::kF32) std::fill(ws->owned[v].f32.begin(), ws->owned[v].f32.end(), static_cast<float>(c));
+      else std::fill(ws->owned[v].s32.begin(), ws->owned[v].s32.end(), ToS32(c));
+    }
+  }
+}
+
+void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorMap& inputs, int replica,
+                            runtime::Collectives* c, Workspace* ws) const {
+  const ir::Instr& in = m_.at(v);
+  auto P = [&](int i) { return ws->ptr[in.operands[i]]; };
+  auto U = [&](int i) { return static_cast<const uint32_t*>(ws->ptr[in.operands[i]]); };
+  auto shape = [&](int i) -> const Shape& { return m_.type(in.operands[i]).shape; };
+  void* out = ws->ptr[v];
+  uint32_t* uo = static_cast<uint32_t*>(out);
+  switch (LoweringOf(m_, v)) {
+    case Lowering::kLeaf:
+      if (in.op == OpCode::kVariable) ws->ptr[v] = const_cast<void*>(LookupLeaf(variables, "variable", in).raw());
+      else if (in.op == OpCode::kInput) ws->ptr[v] = const_cast<void*>(LookupLeaf(inputs, "input", in).raw());
+      else if (in.op == OpCode::kReplicaId) static_cast<int32_t*>(out)[0] = replica;
+      return;
+    case Lowering::kAlias: ws->ptr[v] = P(0); return;
+    case Lowering::kFused: SS_CHECK(false, "fused %", v, " scheduled alone"); return;
+    case Lowering::kMatmul: {
+      const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
+      const int64_t mm = in.type.shape[0], nn = in.type.shape[1], k = ta ? shape(0)[0] : shape(0)[1];
+      ParallelSgemm(ta, tb, mm, nn, k, static_cast<const float*>(P(0)), shape(0)[1], static_cast<const float*>(P(1)),
+                    shape(1)[1], static_cast<float*>(out));
+      return;
+    }
+    case Lowering::kCollective: {
+      const runtime::ReplicaGroup group = GroupOf(m_, in, replica, c);
+      const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
+      if (!c) {
+        std::memcpy(out, P(0), nout * 4);
+        return;
+      }
+      float* o = static_cast<float*>(out);
+      const float* x = static_cast<const float*>(P(0));
+      if (in.op == OpCode::kAllReduce) {
+        std::memcpy(o, x, nout * 4);
+        c->AllReduce(replica, group, o, nout, ReductionOf(in));
+      } else if (in.op == OpCode::kReduceScatter) {
+        c->ReduceScatter(replica, group, x, o, nout, ReductionOf(in));
+      } else {
+        c->AllGather(replica, group, x, o, nin);
+      }
+      return;
+    }
+    case Lowering::kNative: break;
+    case Lowering::kReference: {
+      TensorMap args;
+      for (size_t i = 0; i < in.operands.size(); ++i) {
+        Tensor t(m_.type(in.operands[i]));
+        std::memcpy(t.raw(), ws->ptr[in.operands[i]], t.bytes());
+        args["x" + std::to_string(i)] = std::move(t);
+      }
+      std::vector<Tensor> r = runtime::EvaluateAll(reference_[v], {}, args, 0, nullptr);
+      std::memcpy(out, r.back().raw(), in.type.bytes());
+      return;
+    }
+  }
+  switch (in.op) {
+    case OpCode::kBroadcast: {
+      const ir::IntList& dims = in.GetInts("dims");
+      Strides is = RowMajor(shape(0)), ss(in.type.rank(), 0);
+      for (size_t i = 0; i < dims.size(); ++i) ss[dims[i]] = is[i];
+      StridedGather(in.type.shape, U(0), ss, uo);
+      return;
+    }
+    case OpCode::kTranspose: {
+      const ir::IntList& perm = in.GetInts("perm");
+      Strides is = RowMajor(shape(0)), ss(perm.size());
+      for (size_t i = 0; i < perm.size(); ++i) ss[i] = is[perm[i]];
+      StridedGather(in.type.shape, U(0), ss, uo);
+      return;
+    }
+    case OpCode::kSlice: {
+      const ir::IntList& start = in.GetInts("start");
+      Strides is = RowMajor(shape(0));
+      int64_t offset = 0;
+      for (size_t i = 0; i < start.size(); ++i) offset += start[i] * is[i];
+      StridedGather(in.type.shape, U(0) + offset, is, uo);
+      return;
+    }
+    case OpCode::kPad: {
+      const ir::IntList& low = in.GetInts("low");
+      std::memset(out, 0, in.type.bytes());
+      Strides os = RowMajor(in.type.shape);
+      int64_t offset = 0;
+      for (size_t i = 0; i < low.size(); ++i) offset += low[i] * os[i];
+      StridedScatter(shape(0), U(0), uo + offset, os);
+      return;
+    }
+    case OpCode::kConcat: {
+      const int64_t axis = in.GetInt("axis");
+      Strides os = RowMajor(in.type.shape);
+      int64_t at = 0;
+      for (size_t i = 0; i < in.operands.size(); ++i) {
+        StridedScatter(shape(static_cast<int>(i)), U(static_cast<int>(i)), uo + at * os[axis], os);
+        at += shape(static_cast<int>(i))[axis];
+      }
+      return;
+    }
+    case OpCode::kReduceSum:
+    case OpCode::kReduceMax:
+    case OpCode::kReduceMean: {
+      const ir::IntList& axes = in.GetInts("axes");
+      if (in.type.dtype == DType::kF32)
+        Reduce<float>(in.op, shape(0), axes, in.type.shape, static_cast<const float*>(P(0)), static_cast<float*>(out), ws->scratch);
+      else
+        Reduce<int32_t>(in.op, shape(0), axes, in.type.shape, static_cast<const int32_t*>(P(0)), static_cast<int32_t*>(out),
+                        ws->scratch);
+      return;
+    }
+    case OpCode::kGather: {  // rows of the table
+      const Shape& table = shape(0);
+      const int64_t rows = table[0], width = ir::NumElements(table) / std::max<int64_t>(rows, 1);
+      const int32_t* idx = static_cast<const int32_t*>(P(1));
+      const int64_t count = m_.type(in.operands[1]).elements();
+      for (int64_t i = 0; i < count; ++i) {
+        if (idx[i] < 0 || idx[i] >= rows) throw Error(Str("gather index ", idx[i], " out of range [0,", rows, ")"));
+        std::memcpy(uo + i * width, U(0) + idx[i] * width, width * 4);
+      }
+      return;
+    }
+    case OpCode::kConv2d:
+    case OpCode::kConv2dInputGrad:
+    case OpCode::kConv2dFilterGrad: {
+      for (ValueId o : in.operands)
+        if (m_.type(o).dtype != DType::kF32) throw Error(Str("operands must be f32, got ", m_.type(o).ToString()));
+      const float* a = static_cast<const float*>(P(0));
+      const float* b = static_cast<const float*>(P(1));
+      float* y = static_cast<float*>(out);
+      if (in.op == OpCode::kConv2d) Conv2dForward(ConvShapeOf(shape(0), shape(1), in), a, b, y);
+      else if (in.op == OpCode::kConv2dInputGrad) Conv2dInputGrad(ConvShapeOf(in.type.shape, shape(1), in), a, b, y);
+      else Conv2dFilterGrad(ConvShapeOf(shape(0), in.type.shape, in), a, b, y);
+      return;
+    }
+    case OpCode::kMaxPool:
+    case OpCode::kMaxPoolGrad: {
+      for (ValueId o : in.operands)
+        if (m_.type(o).dtype != DType::kF32) throw Error(Str("operands must be f32, got ", m_.type(o).ToString()));
+      const PoolShape g = PoolShapeOf(shape(0), in);
+      if (in.op == OpCode::kMaxPool) MaxPool(g, static_cast<const float*>(P(0)), static_cast<float*>(out));
+      else MaxPoolGrad(g, static_cast<const float*>(P(0)), static_cast<const float*>(P(1)), static_cast<float*>(out));
+      return;
+    }
+    default: SS_CHECK(false, "no native lowering for ", ir::OpName(in.op));
+  }
+}
+
+TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replica, runtime::Collectives* c,
+                            Workspace* ws) const {
+  if (replica < 0 || replica >= m_.num_replicas)
+    throw Error(Str("replica ", replica, " out of range [0,", m_.num_replicas, ")"));
+  if (c && c->num_replicas() != m_.num_replicas)
+    throw Error(Str("module '", m_.name, "' runs on ", m_.num_replicas, " replicas but the collectives connect ",
+                    c->num_replicas()));
+  if (ws->owner != this) Allocate(ws);
+  for (ValueId v = 0; v < m_.size(); ++v)
+    if (ws->is_owned[v]) ws->ptr[v] = ws->owned[v].raw();
+  for (const Step& s : schedule_) {
+    if (s.kernel >= 0) {
+      const FusedKernel& k = kernels_[s.kernel];
+      ws->bufs.clear();
+      for (ValueId v : k.inputs) ws->bufs.push_back(ws->ptr[v]);
+      for (ValueId v : k.outputs) ws->bufs.push_back(ws->ptr[v]);
+      const KernelFn fn = fns_[s.kernel];
+      void* const* bufs = ws->bufs.data();
+      const int64_t n = ir::NumElements(k.shape);
+      if (n >= 2 * kGrain) {
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kGrain),
+                          [&](const tbb::blocked_range<int64_t>& r) { fn(bufs, r.begin(), r.end()); });
+      } else {
+        fn(bufs, 0, n);
+      }
+      continue;
+    }
+    const ir::Instr& in = m_.at(s.value);
+    try {
+      RunInstr(s.value, variables, inputs, replica, c, ws);
+    } catch (const Error& e) {
+      if (ir::HasProperty(in.op, ir::kLeaf)) throw;
+      throw Error(Str("%", s.value, " = ", ir::OpName(in.op), ": ", e.what()));
+    }
+  }
+  TensorMap outputs;
+  for (const auto& [name, v] : m_.outputs) {
+    Tensor t(m_.type(v));
+    std::memcpy(t.raw(), ws->ptr[v], t.bytes());
+    outputs[name] = std::move(t);
+  }
+  // Assignments see the values from before the step: all were computed above. An owned value
+  // assigned once and not an output is swapped in; anything else is copied.
+  std::map<ValueId, int> times;
+  for (const auto& [var, v] : m_.assigns) ++times[v];
+  for (const auto& [name, v] : m_.outputs) times[v] += 2;
+  for (const auto& [var, v] : m_.assigns) {
+    Tensor& dst = variables[m_.at(var).name];
+    SS_CHECK(dst.type == m_.at(var).type, "assign to @", m_.at(var).name, " changes its type");
+    Tensor& src = ws->owned[v];
+    if (times[v] == 1 && ws->is_owned[v] && src.type == dst.type && ws->ptr[v] == src.raw()) {
+      std::swap(dst.f32, src.f32);
+      std::swap(dst.s32, src.s32);
+    } else {
+      std::memmove(dst.raw(), ws->ptr[v], dst.bytes());
+    }
+  }
+  return outputs;
+}
+
+std::string EmitLlvmIr(const ir::Module& module) {
+  ir::Module m = module;
+  ir::ElementwiseFuser().Run(m);
+  auto step = CompiledStep::Compile(m, JitOptions{"", false, true});
+  JitOptions o;
+  o.disk_cache = false;
+  auto jit = JitCompiler::Create(o);
+  llvm::LLVMContext ctx;
+  auto mod = EmitKernels(step->module(), step->kernels(), ctx, "step");
+  jit->Optimize(*mod);
+  std::string s;
+  llvm::raw_string_ostream os(s);
+  mod->print(os, nullptr);
+  return os.str();
+}
+
+}  // namespace shardstep::jit

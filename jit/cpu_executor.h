@@ -1,0 +1,44 @@
+// The CPU backend's Executor: replicas as threads running the JIT-compiled step (jit/compiled_step.h).
+#pragma once
+
+#include <memory>
+
+#include "jit/compiled_step.h"
+#include "runtime/executor.h"
+
+namespace shardstep::jit {
+
+struct CpuExecutorOptions {
+  JitOptions jit;
+};
+
+class CpuExecutor : public runtime::Executor {
+ public:
+  CpuExecutor(const ir::Module& step, const runtime::TensorMap& logical_state, const CpuExecutorOptions& options = {});
+  ~CpuExecutor() override;
+
+  runtime::TensorMap Step(const runtime::TensorMap& global_inputs) override;
+  runtime::TensorMap Forward(const ir::Module& forward, const runtime::TensorMap& inputs) override;
+  runtime::TensorMap LogicalState() const override;
+  void LoadLogicalState(const runtime::TensorMap& state) override;
+
+  // How the training step was obtained (compiled, or from the disk / memory cache) and how long it took.
+  const CompileInfo& compile_info() const { return step_->info(); }
+  const CompiledStep& compiled() const { return *step_; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+  std::shared_ptr<const CompiledStep> step_;
+  CpuExecutorOptions options_;
+};
+
+// The CPU JIT executor, with `step.num_replicas` replica threads exchanging through in-process
+// collectives (as runtime::MakeInterpreterExecutor).
+std::unique_ptr<runtime::Executor> MakeCpuExecutor(const ir::Module& step, const runtime::TensorMap& logical_state);
+
+// One step of `m` as replica `replica` on the JIT, with runtime::RunStep's contract (conformance tests).
+runtime::TensorMap JitRunStep(const ir::Module& m, runtime::TensorMap& variables, const runtime::TensorMap& inputs,
+                              int replica = 0, runtime::Collectives* collectives = nullptr);
+
+}  // namespace shardstep::jit

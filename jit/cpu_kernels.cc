@@ -1,0 +1,161 @@
+// Native convolution and pooling kernels (see cpu_kernels.h). Semantics follow the interpreter's
+// (runtime/interpreter.cc): conv2d = im2col + sgemm per image; the filter gradient sums fixed groups
+// of images, then adds the groups in order; max pooling takes the first maximum, a NaN counting as one.
+#include "jit/cpu_kernels.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "jit/dnnl_kernels.h"
+
+namespace shardstep::jit {
+namespace {
+
+void SingleThreadedOmp() {
+  thread_local const bool once = (SetOmpThreads(1), true);
+  (void)once;
+}
+
+// Scratch that lives as long as its thread and only grows.
+float* Scratch(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+
+// col[(c,i,j), (y,x)] = zero-padded x[c, y*sh - ph + i, x*sw - pw + j] for one image.
+void Im2Col(const float* x, const ConvShape& g, float* col) {
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t i = 0; i < g.kh; ++i)
+      for (int64_t j = 0; j < g.kw; ++j) {
+        float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
+        // Output columns whose input column is inside the image: [xlo, xhi).
+        int64_t xlo = 0;
+        while (xlo < g.ow && xlo * g.sw - g.pw + j < 0) ++xlo;
+        int64_t xhi = g.ow;
+        while (xhi > xlo && (xhi - 1) * g.sw - g.pw + j >= g.w) --xhi;
+        for (int64_t y = 0; y < g.oh; ++y) {
+          const int64_t iy = y * g.sh - g.ph + i;
+          float* dst = row + y * g.ow;
+          if (iy < 0 || iy >= g.h) {
+            std::fill(dst, dst + g.ow, 0.0f);
+            continue;
+          }
+          const float* src = x + (c * g.h + iy) * g.w - g.pw + j;
+          std::fill(dst, dst + xlo, 0.0f);
+          if (g.sw == 1) std::memcpy(dst + xlo, src + xlo, (xhi - xlo) * sizeof(float));
+          else for (int64_t xx = xlo; xx < xhi; ++xx) dst[xx] = src[xx * g.sw];
+          std::fill(dst + xhi, dst + g.ow, 0.0f);
+        }
+      }
+}
+
+// dx += col2im(col) for one image, in a fixed order.
+void Col2Im(const float* col, const ConvShape& g, float* dx) {
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t i = 0; i < g.kh; ++i)
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
+        for (int64_t y = 0; y < g.oh; ++y) {
+          const int64_t iy = y * g.sh - g.ph + i;
+          if (iy < 0 || iy >= g.h) continue;
+          float* d = dx + (c * g.h + iy) * g.w;
+          for (int64_t xx = 0; xx < g.ow; ++xx) {
+            const int64_t ix = xx * g.sw - g.pw + j;
+            if (ix >= 0 && ix < g.w) d[ix] += row[y * g.ow + xx];
+          }
+        }
+      }
+}
+
+constexpr int64_t kFilterGradGroups = 8;
+
+}  // namespace
+
+ConvShape ConvShapeOf(const ir::Shape& x, const ir::Shape& w, const ir::Instr& in) {
+  ir::IntList s = in.GetInts("stride", {1, 1}), p = in.GetInts("padding", {0, 0});
+  ConvShape g{x[0], x[1], x[2], x[3], w[0], w[2], w[3], s[0], s[1], p[0], p[1], 0, 0};
+  g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
+  g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
+  return g;
+}
+
+void Conv2dForward(const ConvShape& g, const float* x, const float* w, float* y) {
+  tbb::parallel_for(int64_t{0}, g.n, [&](int64_t n) {
+    SingleThreadedOmp();
+    float* col = Scratch(g.k() * g.p());
+    Im2Col(x + n * g.c * g.h * g.w, g, col);
+    DnnlSgemm(false, false, g.o, g.p(), g.k(), w, g.k(), col, g.p(), 0.0f, y + n * g.o * g.p(), g.p());
+  });
+}
+
+void Conv2dInputGrad(const ConvShape& g, const float* dy, const float* w, float* dx) {
+  tbb::parallel_for(int64_t{0}, g.n, [&](int64_t n) {
+    SingleThreadedOmp();
+    float* dcol = Scratch(g.k() * g.p());
+    DnnlSgemm(true, false, g.k(), g.p(), g.o, w, g.k(), dy + n * g.o * g.p(), g.p(), 0.0f, dcol, g.p());
+    float* d = dx + n * g.c * g.h * g.w;
+    std::fill(d, d + g.c * g.h * g.w, 0.0f);
+    Col2Im(dcol, g, d);
+  });
+}
+
+void Conv2dFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw) {
+  const int64_t per_group = (g.n + kFilterGradGroups - 1) / kFilterGradGroups, size = g.o * g.k();
+  std::vector<float> parts(kFilterGradGroups * size, 0.0f);
+  tbb::parallel_for(int64_t{0}, kFilterGradGroups, [&](int64_t group) {
+    SingleThreadedOmp();
+    float* col = Scratch(g.k() * g.p());
+    for (int64_t n = group * per_group; n < std::min(g.n, (group + 1) * per_group); ++n) {
+      Im2Col(x + n * g.c * g.h * g.w, g, col);
+      DnnlSgemm(false, true, g.o, g.k(), g.p(), dy + n * g.o * g.p(), g.p(), col, g.p(),
+                n == group * per_group ? 0.0f : 1.0f, parts.data() + group * size, g.k());
+    }
+  });
+  std::fill(dw, dw + size, 0.0f);
+  for (int64_t group = 0; group < kFilterGradGroups; ++group)
+    for (int64_t j = 0; j < size; ++j) dw[j] += parts[group * size + j];
+}
+
+PoolShape PoolShapeOf(const ir::Shape& x, const ir::Instr& in) {
+  ir::IntList k = in.GetInts("window"), s = in.GetInts("stride", k);
+  return {x[0] * x[1], x[2], x[3], k[0], k[1], s[0], s[1], (x[2] - k[0]) / s[0] + 1, (x[3] - k[1]) / s[1] + 1};
+}
+
+namespace {
+inline int64_t ArgMax(const float* v, const PoolShape& g) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < g.kh; ++i)
+    for (int64_t j = 0; j < g.kw; ++j) {
+      const int64_t at = i * g.w + j;
+      const float c = v[at], b = v[best];
+      const int64_t take = (c > b) | ((c != c) & (b == b));
+      best ^= (best ^ at) & -take;
+    }
+  return best;
+}
+template <typename F>
+void ForEachWindow(const PoolShape& g, F f) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(g.h * g.w, 1));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, g.planes, grain), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t p = r.begin(); p < r.end(); ++p)
+      for (int64_t y = 0; y < g.oh; ++y)
+        for (int64_t x = 0; x < g.ow; ++x) f(p * g.h * g.w + y * g.sh * g.w + x * g.sw, (p * g.oh + y) * g.ow + x);
+  });
+}
+}  // namespace
+
+void MaxPool(const PoolShape& g, const float* x, float* y) {
+  ForEachWindow(g, [&](int64_t i, int64_t o) { y[o] = x[i + ArgMax(x + i, g)]; });
+}
+
+void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx) {
+  std::fill(dx, dx + g.planes * g.h * g.w, 0.0f);
+  ForEachWindow(g, [&](int64_t i, int64_t o) { dx[i + ArgMax(x + i, g)] += dy[o]; });
+}
+
+}  // namespace shardstep::jit

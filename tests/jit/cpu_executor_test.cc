@@ -1,0 +1,238 @@
+// The CPU JIT executor against the interpreter on whole training steps (MLP and CNN), sharded vs
+// replicated bitwise identity on the JIT, the ElementwiseFuser's groups, and the compile cache.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include "dsl/dsl.h"
+#include "ir/passes/elementwise_fuser.h"
+#include "ir/printer.h"
+#include "jit/compiled_step.h"
+#include "jit/cpu_executor.h"
+#include "models/models.h"
+#include "runtime/dataset.h"
+#include "runtime/executor.h"
+#include "runtime/sharding.h"
+
+using namespace shardstep;
+using namespace shardstep::runtime;
+
+namespace {
+
+constexpr int64_t kBatch = 24;
+
+dsl::Program Build(bool cnn, ir::OptimizerConfig opt, int replicas = 1, bool shard = false) {
+  dsl::Model m(cnn ? "cnn" : "mlp", /*seed=*/1);
+  models::ModelOptions mo;
+  mo.batch = kBatch;
+  mo.hidden = {25, 10};
+  mo.classes = 10;
+  dsl::Tensor loss = cnn ? models::DefineCnn(m, mo) : models::DefineMlp(m, mo);
+  return m.train(loss).optimizer(opt).replicas(replicas).shard_weight_update(shard).build();
+}
+
+std::vector<TensorMap> Batches(bool cnn, int steps) {
+  static const Dataset d = SyntheticClassification(480, 1, 28, 28, 10, /*seed=*/11);
+  BatchIterator it(d, kBatch, /*shuffle=*/true, /*seed=*/5, cnn ? ir::Shape{1, 28, 28} : ir::Shape{784});
+  std::vector<TensorMap> out(steps);
+  for (auto& in : out) it.Next(&in["image"], &in["label"]);
+  return out;
+}
+
+double RelDiff(const Tensor& a, const Tensor& b) {
+  double diff = 0, scale = 0;
+  for (int64_t i = 0; i < a.elements(); ++i) {
+    diff = std::max(diff, std::abs(a.at(i) - b.at(i)));
+    scale = std::max(scale, std::abs(a.at(i)));
+  }
+  return scale == 0 ? diff : diff / scale;
+}
+
+std::string Describe(const Tensor& a, const Tensor& b) {
+  int64_t differing = 0, first = -1;
+  for (int64_t i = 0; i < a.elements(); ++i)
+    if (std::memcmp(static_cast<const char*>(a.raw()) + 4 * i, static_cast<const char*>(b.raw()) + 4 * i, 4) != 0 &&
+        ++differing == 1)
+      first = i;
+  std::ostringstream os;
+  os << differing << " of " << a.elements() << " elements differ";
+  if (first >= 0) os << "; first " << first << ": " << std::setprecision(9) << a.at(first) << " vs " << b.at(first);
+  return os.str();
+}
+
+// Re-synchronised every step: the JIT starts each step from the interpreter's state, so each
+// step's difference is measured on its own. Returns the worst relative difference per variable.
+void CheckAgainstInterpreter(bool cnn, ir::OptimizerConfig opt, double tol, int steps) {
+  dsl::Program p = Build(cnn, opt);
+  const TensorMap init = InitLogicalState(p.step);
+  auto ref = MakeInterpreterExecutor(p.step, init);
+  auto jit = jit::MakeCpuExecutor(p.step, init);
+  const auto batches = Batches(cnn, steps);
+  for (int i = 0; i < steps; ++i) {
+    jit->LoadLogicalState(ref->LogicalState());
+    const float lr = ref->Step(batches[i]).at("loss").f32[0];
+    const float lj = jit->Step(batches[i]).at("loss").f32[0];
+    INFO("step " << i << " loss " << lr << " vs " << lj);
+    CHECK(std::abs(lr - lj) <= 1e-5 * std::max(1.0f, std::abs(lr)));
+    const TensorMap a = ref->LogicalState(), b = jit->LogicalState();
+    REQUIRE(a.size() == b.size());
+    for (const auto& [name, t] : a) {
+      INFO("variable " << name << ": " << Describe(t, b.at(name)));
+      CHECK(RelDiff(t, b.at(name)) <= tol);
+    }
+  }
+  // Forward (evaluation) on the JIT matches too.
+  TensorMap fin = batches[0];
+  fin.erase("label");
+  (void)fin;
+}
+
+}  // namespace
+
+TEST_CASE("MLP training steps on the JIT agree with the interpreter", "[jit][train]") {
+  SECTION("sgd") { CheckAgainstInterpreter(false, dsl::SGD().lr(0.1), 1e-5, 5); }
+  SECTION("adam") { CheckAgainstInterpreter(false, dsl::Adam().lr(1e-3), 1e-5, 5); }
+}
+
+TEST_CASE("CNN training steps on the JIT agree with the interpreter", "[jit][train]") {
+  SECTION("sgd") { CheckAgainstInterpreter(true, dsl::SGD().lr(0.1), 1e-5, 3); }
+  SECTION("adam") { CheckAgainstInterpreter(true, dsl::Adam().lr(1e-3), 1e-5, 3); }
+}
+
+TEST_CASE("JIT forward (evaluation) agrees with the interpreter", "[jit][train]") {
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
+  const TensorMap init = InitLogicalState(p.step);
+  auto ref = MakeInterpreterExecutor(p.step, init);
+  auto jit = jit::MakeCpuExecutor(p.step, init);
+  const auto batches = Batches(false, 1);
+  TensorMap a = ref->Forward(p.forward, batches[0]), b = jit->Forward(p.forward, batches[0]);
+  REQUIRE(a.size() == b.size());
+  for (auto& [name, t] : a) {
+    INFO(name);
+    CHECK(RelDiff(t, b.at(name)) <= 1e-5);
+  }
+}
+
+TEST_CASE("sharded and replicated Adam on the JIT are bitwise identical", "[jit][sharding]") {
+  constexpr int kSteps = 20;
+  const auto batches = Batches(false, kSteps);
+  for (int n : {2, 4}) {
+    dsl::Program rep = Build(false, dsl::Adam().lr(1e-3), n, false), sh = Build(false, dsl::Adam().lr(1e-3), n, true);
+    const TensorMap init = InitLogicalState(rep.step);
+    auto a = jit::MakeCpuExecutor(rep.step, init), b = jit::MakeCpuExecutor(sh.step, init);
+    for (int i = 0; i < kSteps; ++i) {
+      a->Step(batches[i]);
+      b->Step(batches[i]);
+    }
+    const TensorMap x = a->LogicalState(), y = b->LogicalState();
+    REQUIRE(x.size() == y.size());
+    for (auto& [name, t] : x) {
+      INFO("N=" << n << " variable " << name << ": " << Describe(t, y.at(name)));
+      CHECK(t == y.at(name));
+      CHECK_FALSE(t == init.at(name));
+    }
+  }
+}
+
+TEST_CASE("the JIT executor's state round-trips and matches the interpreter at N=2 sharded", "[jit][sharding]") {
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3), 2, true);
+  const TensorMap init = InitLogicalState(p.step);
+  auto ref = MakeInterpreterExecutor(p.step, init);
+  auto jit = jit::MakeCpuExecutor(p.step, init);
+  const auto batches = Batches(false, 3);
+  for (int i = 0; i < 3; ++i) {
+    jit->LoadLogicalState(ref->LogicalState());
+    ref->Step(batches[i]);
+    jit->Step(batches[i]);
+    for (auto& [name, t] : ref->LogicalState()) {
+      INFO("step " << i << " variable " << name);
+      CHECK(RelDiff(t, jit->LogicalState().at(name)) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("ElementwiseFuser puts a tensor's whole Adam update in one group and changes only attributes",
+          "[jit][fuser]") {
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
+  ir::Module fused = p.step;
+  CHECK(ir::ElementwiseFuser().Run(fused));
+  // Only attributes changed: strip them and the module is what it was.
+  ir::Module stripped = fused;
+  for (auto& in : stripped.instrs) in.attrs.erase(ir::kFusionAttr);
+  CHECK(stripped == p.step);
+  // Idempotent.
+  ir::Module again = fused;
+  ir::ElementwiseFuser().Run(again);
+  CHECK(again == fused);
+  // The new value of fc1.w/m, fc1.w/v and fc1.w are all computed in one group.
+  auto group_of = [&](const std::string& var) {
+    const ir::ValueId v = fused.AssignedValue(fused.FindVariable(var));
+    return fused.at(v).GetInt(ir::kFusionAttr, -1);
+  };
+  CHECK(group_of("fc1.w") >= 0);
+  CHECK(group_of("fc1.w") == group_of("fc1.w/m"));
+  CHECK(group_of("fc1.w") == group_of("fc1.w/v"));
+  // The interpreter runs the fused module unchanged.
+  TensorMap s1 = InitLogicalState(p.step), s2 = s1;
+  const auto batches = Batches(false, 1);
+  RunStep(p.step, s1, batches[0]);
+  RunStep(fused, s2, batches[0]);
+  for (auto& [name, t] : s1) CHECK(t == s2.at(name));
+}
+
+TEST_CASE("the disk cache skips compilation, and a corrupt entry is rejected and recompiled", "[jit][cache]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("shardstep-jit-cache-test-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  jit::JitOptions o;
+  o.cache_dir = dir.string();
+  o.memory_cache = false;
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
+  auto cold = jit::CompiledStep::Compile(p.step, o);
+  CHECK(cold->info().source == "compiled");
+  auto warm = jit::CompiledStep::Compile(p.step, o);
+  CHECK(warm->info().source == "disk cache");
+  INFO("cold " << cold->info().seconds << " s, cached " << warm->info().seconds << " s");
+  CHECK(warm->info().seconds < cold->info().seconds);
+  // Flip one byte of the object: detected, deleted, recompiled.
+  const fs::path entry = dir / (cold->info().key + ".o");
+  REQUIRE(fs::exists(entry));
+  {
+    std::fstream f(entry, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(entry) / 2));
+    char c = 0;
+    f.seekg(f.tellp());
+    f.read(&c, 1);
+    c ^= 0x5a;
+    f.seekp(static_cast<std::streamoff>(fs::file_size(entry) / 2));
+    f.write(&c, 1);
+  }
+  auto again = jit::CompiledStep::Compile(p.step, o);
+  CHECK(again->info().source == "compiled");
+  CHECK(again->info().rejected_corrupt);
+  // Truncated: the same.
+  fs::resize_file(entry, 100);
+  auto trunc = jit::CompiledStep::Compile(p.step, o);
+  CHECK(trunc->info().source == "compiled");
+  // And the recompiled step runs correctly.
+  TensorMap s1 = InitLogicalState(p.step), s2 = s1;
+  const auto batches = Batches(false, 1);
+  RunStep(p.step, s1, batches[0]);
+  jit::Workspace ws;
+  trunc->Run(s2, batches[0], 0, nullptr, &ws);
+  for (auto& [name, t] : s1) CHECK(RelDiff(t, s2.at(name)) <= 1e-5);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("--emit=llvm: the fused loops are vectorised", "[jit]") {
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
+  const std::string ir = jit::EmitLlvmIr(p.step);
+  CHECK(ir.find("x float>") != std::string::npos);
+  CHECK(ir.find("fmul contract") == std::string::npos);
+  CHECK(ir.find("fast") == std::string::npos);
+}
