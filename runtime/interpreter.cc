@@ -764,8 +764,12 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
 
 }  // namespace
 
-std::vector<Tensor> EvaluateAll(const ir::Module& m, const TensorMap& variables, const TensorMap& inputs,
-                                int replica, Collectives* collectives) {
+namespace {
+
+// Evaluates every instruction in order. With `keep` given, a value is released after its last use
+// unless keep[v] is set, so a step holds only its live buffers.
+std::vector<Tensor> Run(const ir::Module& m, const TensorMap& variables, const TensorMap& inputs, int replica,
+                        Collectives* collectives, const std::vector<char>* keep) {
   if (replica < 0 || replica >= m.num_replicas)
     throw Error(Str("replica ", replica, " out of range [0,", m.num_replicas, ")"));
   if (collectives && collectives->num_replicas() != m.num_replicas)
@@ -773,6 +777,10 @@ std::vector<Tensor> EvaluateAll(const ir::Module& m, const TensorMap& variables,
                     collectives->num_replicas()));
   const Context ctx{m, variables, inputs, replica, collectives};
   std::vector<Tensor> values(m.size());
+  std::vector<ir::ValueId> last_use(m.size(), -1);
+  if (keep)
+    for (ir::ValueId v = 0; v < m.size(); ++v)
+      for (ir::ValueId o : m.at(v).operands) last_use[o] = v;
   Operands operands;
   for (ir::ValueId v = 0; v < m.size(); ++v) {
     const Instr& in = m.at(v);
@@ -789,13 +797,26 @@ std::vector<Tensor> EvaluateAll(const ir::Module& m, const TensorMap& variables,
     }
     SS_CHECK(values[v].type == in.type, "%", v, " = ", ir::OpName(in.op), " computed ", values[v].type.ToString(),
              ", declared ", in.type.ToString());
+    if (keep)
+      for (ir::ValueId o : in.operands)
+        if (last_use[o] == v && !(*keep)[o]) values[o] = Tensor();
   }
   return values;
 }
 
+}  // namespace
+
+std::vector<Tensor> EvaluateAll(const ir::Module& m, const TensorMap& variables, const TensorMap& inputs,
+                                int replica, Collectives* collectives) {
+  return Run(m, variables, inputs, replica, collectives, nullptr);
+}
+
 TensorMap RunStep(const ir::Module& m, TensorMap& variables, const TensorMap& inputs, int replica,
                   Collectives* collectives) {
-  std::vector<Tensor> values = EvaluateAll(m, variables, inputs, replica, collectives);
+  std::vector<char> keep(m.size(), 0);
+  for (const auto& [name, v] : m.outputs) keep[v] = 1;
+  for (const auto& [var, v] : m.assigns) keep[v] = 1;
+  std::vector<Tensor> values = Run(m, variables, inputs, replica, collectives, &keep);
   TensorMap outputs;
   for (const auto& [name, v] : m.outputs) outputs[name] = values.at(v);
   for (const auto& [var, v] : m.assigns) {
