@@ -4,6 +4,9 @@
 //  1. Walk the collectives in order; candidates share a key (op, reduction, groups, group size,
 //     dtype). A candidate joins the open group of its key unless it depends on a member (that
 //     would make a cycle) or the group would pass the byte or count threshold; else it opens a new one.
+//     Only the first group found is packed, then the dependencies are recomputed and the walk
+//     repeats: a packed op depends on all its members' operands, which can make collectives of
+//     another kind dependent on each other (packing two groups at once could close a cycle).
 //  2. Replace each group of two or more by one collective over a packed buffer:
 //       reduce-scatter: each x_i [G*a_i, ...] -> [G, k_i]; concat on axis 1 -> [G, K] -> [G*K];
 //                       reduce-scatter -> [K]; member i is columns [o_i, o_i + k_i) reshaped.
@@ -37,6 +40,9 @@ ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
   const Instr first = m.at(members[0]);
   const OpCode op = first.op;
   Attrs attrs = first.attrs;
+  int64_t originals = 0;
+  for (ValueId v : members) originals += m.at(v).GetInt("combined", 1);
+  attrs["combined"] = originals;  // how many collectives this one packs
   std::vector<ValueId> parts;
   std::vector<int64_t> widths;
   if (op == OpCode::kReduceScatter) {
@@ -50,7 +56,8 @@ ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
     ValueId rs = b.Emit(op, {b.Reshape(packed, {NumElements(b.shape(packed))})}, attrs);
     int64_t off = 0;
     for (size_t i = 0; i < members.size(); ++i) {
-      ValueId piece = b.Reshape(b.Slice(rs, {off}, {off + widths[i]}), m.type(members[i]).shape);
+      const Shape shape = m.type(members[i]).shape;  // a copy: the builder may reallocate m.instrs
+      ValueId piece = b.Reshape(b.Slice(rs, {off}, {off + widths[i]}), shape);
       m.ReplaceAllUses(members[i], piece);
       off += widths[i];
     }
@@ -68,13 +75,15 @@ ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
     const int64_t g = first.GetInt("group_size");
     ValueId rows = b.Reshape(c, {g, total});
     for (size_t i = 0; i < members.size(); ++i) {
-      ValueId piece = b.Reshape(b.Slice(rows, {0, off}, {g, off + widths[i]}), m.type(members[i]).shape);
+      const Shape shape = m.type(members[i]).shape;
+      ValueId piece = b.Reshape(b.Slice(rows, {0, off}, {g, off + widths[i]}), shape);
       m.ReplaceAllUses(members[i], piece);
       off += widths[i];
     }
   } else {
     for (size_t i = 0; i < members.size(); ++i) {
-      ValueId piece = b.Reshape(b.Slice(c, {off}, {off + widths[i]}), m.type(members[i]).shape);
+      const Shape shape = m.type(members[i]).shape;
+      ValueId piece = b.Reshape(b.Slice(c, {off}, {off + widths[i]}), shape);
       m.ReplaceAllUses(members[i], piece);
       off += widths[i];
     }
@@ -84,8 +93,8 @@ ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
 
 }  // namespace
 
-bool CollectiveCombiner::Run(Module& m) {
-  if (max_bytes_ <= 0 || max_count_ < 2) return false;
+// The first group of two or more collectives that can be packed (empty when none).
+std::vector<ValueId> CollectiveCombiner::FirstGroup(const Module& m) const {
   const int n = m.size();
   // Collectives each value depends on (bitsets over the collectives' indices).
   std::vector<ValueId> colls;
@@ -95,7 +104,7 @@ bool CollectiveCombiner::Run(Module& m) {
       index[v] = static_cast<int>(colls.size());
       colls.push_back(v);
     }
-  if (colls.size() < 2) return false;
+  if (colls.size() < 2) return {};
   const size_t words = (colls.size() + 63) / 64;
   std::vector<std::vector<uint64_t>> deps(n, std::vector<uint64_t>(words, 0));
   for (ValueId v = 0; v < n; ++v) {
@@ -104,35 +113,42 @@ bool CollectiveCombiner::Run(Module& m) {
       if (index[o] >= 0) deps[v][index[o] / 64] |= 1ull << (index[o] % 64);
     }
   }
-  // 1. Greedy grouping.
   struct Group {
     std::vector<ValueId> members;
     int64_t bytes = 0;
+    int64_t count = 0;  // original collectives (a packed one counts its members)
   };
   std::map<std::string, Group> open;
-  std::vector<std::vector<ValueId>> done;
   for (ValueId v : colls) {
     const Instr& in = m.at(v);
     const int64_t bytes = std::max(in.type.bytes(), m.type(in.operands[0]).bytes());
-    std::string key = Key(in);
-    Group& g = open[key];
+    const int64_t count = in.GetInt("combined", 1);
+    Group& g = open[Key(in)];
     bool depends = false;
     for (ValueId u : g.members) depends |= (deps[v][index[u] / 64] >> (index[u] % 64)) & 1;
-    if (depends || g.bytes + bytes > max_bytes_ || static_cast<int64_t>(g.members.size()) >= max_count_) {
-      if (g.members.size() > 1) done.push_back(g.members);
+    if (depends || g.bytes + bytes > max_bytes_ || g.count + count > max_count_) {
+      if (g.members.size() > 1) return g.members;
       g = Group{};
     }
     g.members.push_back(v);
     g.bytes += bytes;
+    g.count += count;
   }
   for (auto& [key, g] : open)
-    if (g.members.size() > 1) done.push_back(g.members);
-  if (done.empty()) return false;
-  // 2. Packed collectives.
-  Builder b(&m);
-  for (auto& members : done) Combine(b, m, members);
-  m.Canonicalize();
-  return true;
+    if (g.members.size() > 1) return g.members;
+  return {};
+}
+
+bool CollectiveCombiner::Run(Module& m) {
+  if (max_bytes_ <= 0 || max_count_ < 2) return false;
+  bool changed = false;
+  for (std::vector<ValueId> group = FirstGroup(m); !group.empty(); group = FirstGroup(m)) {
+    Builder b(&m);
+    Combine(b, m, group);
+    m.Canonicalize();
+    changed = true;
+  }
+  return changed;
 }
 
 }  // namespace shardstep::ir

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "ir/passes/pass.h"
 
@@ -16,6 +17,7 @@ class CollectiveCombiner : public Pass {
   bool Run(Module& m) override;
 
  private:
+  std::vector<ValueId> FirstGroup(const Module& m) const;
   int64_t max_bytes_, max_count_;
 };
 

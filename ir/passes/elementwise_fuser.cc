@@ -10,8 +10,10 @@
 //     end up in one loop).
 //  3. Number the groups densely in order of their first member and write "fusion"=<id>.
 // Why: the optimizer update of a tensor (Adam: ~15 elementwise ops) becomes one loop over memory
-// instead of one loop per op, so it moves 7 words per parameter instead of ~40. Scalar operands
-// (broadcasts of rank-0 values, splat constants) are read once per kernel, not materialised.
+// instead of one loop per op, so it moves 7 words per parameter instead of ~40. Broadcasts join
+// the loop too: a scalar (rank-0 value, splat constant) is read once per kernel, any other operand
+// through an index map, so neither is materialised at the output's size.
+// Not fused (yet): reductions, so a trailing full reduction (a norm) is its own pass over memory.
 #include "ir/passes/elementwise_fuser.h"
 
 #include <algorithm>
@@ -21,7 +23,7 @@ namespace shardstep::ir {
 
 bool IsFusible(const Module& m, ValueId v) {
   const Instr& in = m.at(v);
-  if (in.op == OpCode::kBroadcast) return m.type(in.operands[0]).rank() == 0;
+  if (in.op == OpCode::kBroadcast) return true;  // the loop reads its operand through an index map
   if (!HasProperty(in.op, kElementwise)) return false;
   if (in.op == OpCode::kDiv && in.type.dtype == DType::kS32) return false;
   return true;

@@ -11,7 +11,8 @@ namespace shardstep::ir {
 inline constexpr const char* kFusionAttr = "fusion";
 
 // Whether `v` may be a member of a fusion group: an elementwise op (except s32 division, which must
-// check its divisor), or a broadcast of a scalar (rank-0) operand.
+// check its divisor), or a broadcast (scalars are read once; other operands through an index map,
+// so a bias broadcast is never materialised).
 bool IsFusible(const Module& m, ValueId v);
 
 // Attributes only: the module's instructions, order and values are unchanged, so every backend

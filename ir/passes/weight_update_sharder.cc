@@ -21,6 +21,7 @@
 // The old update ops become dead and Canonicalize drops them.
 #include "ir/passes/weight_update_sharder.h"
 
+#include <algorithm>
 #include <cmath>
 #include <iomanip>
 #include <limits>
@@ -30,6 +31,7 @@
 #include "ir/builder.h"
 #include "ir/error.h"
 #include "ir/passes/data_parallel_lowering.h"
+#include "ir/shape_inference.h"
 
 namespace shardstep::ir {
 namespace {
@@ -222,7 +224,21 @@ std::string ShardingReport::ToString() const {
 
 bool WeightUpdateSharder::Run(Module& m) {
   report_ = {};
-  const int64_t g = o_.group_size > 0 ? o_.group_size : m.num_replicas;
+  if (o_.group_size == 1) return false;
+  const Module before = m;
+  // The sharding group is the data-parallel group: the one the gradients' all-reduces use.
+  int64_t g = o_.group_size > 0 ? o_.group_size : m.num_replicas;
+  for (const Instr& in : m.instrs) {
+    if (in.op != OpCode::kAllReduce || in.type.shape.empty()) continue;
+    const int64_t ar_group = GroupSize(in, m.num_replicas);
+    if (o_.group_size > 0 && ar_group != o_.group_size)
+      throw Error(Str("weight-update-sharder: group size ", o_.group_size, " disagrees with the gradient all-reduce's group of ",
+                      ar_group, " replicas"));
+    IntLists contiguous = ContiguousGroups(m.num_replicas, static_cast<int>(ar_group));
+    if (!contiguous.empty() && ReplicaGroups(in, m.num_replicas) != contiguous)
+      throw Error("weight-update-sharder: only contiguous replica groups of equal size are supported");
+    g = ar_group;
+  }
   report_.group_size = static_cast<int>(g);
   if (g <= 1) return false;
   for (ValueId v : m.Variables()) {
@@ -255,6 +271,7 @@ bool WeightUpdateSharder::Run(Module& m) {
     if (in.op == OpCode::kAllReduce) continue;  // an entry: its operand is the per-replica gradient
     for (ValueId o : in.operands) work.push_back(o);
   }
+  if (std::find(rw.in_region_.begin(), rw.in_region_.end(), 1) == rw.in_region_.end()) return false;  // no update
   auto users = m.Users();
 
   // 3. Sharded variables.
@@ -268,6 +285,7 @@ bool WeightUpdateSharder::Run(Module& m) {
     ValueId assigned = m.AssignedValue(v);
     bool only_update = true;
     for (ValueId u : users[v]) only_update &= rw.in_region_[u] != 0;
+    for (auto& [name, out] : m.outputs) only_update &= out != v;
     const bool is_state = row.role == kRoleOptimizerState, is_weight = row.role == kRoleWeight;
     if (var.type.shape.empty()) {
       row.why = "scalar: replicated";
@@ -321,9 +339,11 @@ bool WeightUpdateSharder::Run(Module& m) {
     if (per[val]) continue;
     val = rw.shard_[var] == var ? rw.Shard(val) : rw.Full(val);
   }
+  for (auto& [name, out] : m.outputs)
+    if (out < n && rw.in_region_[out]) out = rw.Full(out);
   m.gradients.clear();
   m.Canonicalize();
-  return true;
+  return !(m == before);
 }
 
 }  // namespace shardstep::ir

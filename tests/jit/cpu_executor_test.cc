@@ -233,6 +233,40 @@ TEST_CASE("--emit=llvm: the fused loops are vectorised", "[jit]") {
   dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
   const std::string ir = jit::EmitLlvmIr(p.step);
   CHECK(ir.find("x float>") != std::string::npos);
+  // The optimisation remarks: the big loops (the Adam updates of the weight matrices) vectorised.
+  int vectorized = 0;
+  for (size_t at = 0; (at = ir.find("passed: vectorized loop", at)) != std::string::npos; ++at) ++vectorized;
+  INFO(ir.substr(0, ir.find("\n\n")));
+  CHECK(vectorized >= 6);
   CHECK(ir.find("fmul contract") == std::string::npos);
   CHECK(ir.find("fast") == std::string::npos);
+}
+
+TEST_CASE("bad input to the JIT executor is a clear error, not a crash", "[jit][errors]") {
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
+  auto jit = jit::MakeCpuExecutor(p.step, InitLogicalState(p.step));
+  TensorMap in = Batches(false, 1)[0];
+  TensorMap missing = in;
+  missing.erase("label");
+  CHECK_THROWS_WITH(jit->Step(missing), Catch::Contains("input @label: missing"));
+  TensorMap wrong = in;
+  wrong["image"] = Tensor(ir::TensorType{ir::DType::kF32, {kBatch, 783}});
+  CHECK_THROWS_WITH(jit->Step(wrong), Catch::Contains("input @image: expected f32[24,784]"));
+  TensorMap bad_label = in;
+  bad_label["label"].s32[0] = 10;
+  CHECK_THROWS_WITH(jit->Step(bad_label), Catch::Contains("one_hot"));
+  // The state is untouched by the failed steps, and a good step still runs.
+  CHECK(jit->LogicalState() == InitLogicalState(p.step));
+  CHECK_NOTHROW(jit->Step(in));
+}
+
+TEST_CASE("s32 division by zero on the JIT is an error, as in the interpreter", "[jit][errors]") {
+  ir::Module m;
+  ir::Builder b(&m);
+  auto x = b.Input("x", {ir::DType::kS32, {3}}), y = b.Input("y", {ir::DType::kS32, {3}});
+  m.outputs.push_back({"q", b.Div(x, y)});
+  TensorMap vars, in{{"x", Tensor::S32({3}, {7, -7, 1})}, {"y", Tensor::S32({3}, {2, 2, 0})}};
+  CHECK_THROWS_WITH(jit::JitRunStep(m, vars, in), Catch::Contains("division by zero"));
+  in["y"] = Tensor::S32({3}, {2, 2, 1});
+  CHECK(jit::JitRunStep(m, vars, in).at("q") == Tensor::S32({3}, {3, -3, 1}));
 }

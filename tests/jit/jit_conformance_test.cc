@@ -259,14 +259,14 @@ std::vector<Case> CasesFor(OpCode op) {
     case OpCode::kMaxPool:
     case OpCode::kAvgPool: {
       CaseBuilder a(name);
-      out.push_back(a.Out(a.b.Emit(op, {a.In(F({2, 3, 8, 6}))}, {{"window", IntList{2, 2}}})));
+      out.push_back(a.Out(a.b.Emit(op, {a.In(F({2, 3, 8, 6}), false, true)}, {{"window", IntList{2, 2}}})));
       CaseBuilder b(name + " overlapping 3x3 stride 2");
       out.push_back(b.Out(b.b.Emit(op, {b.In(F({2, 3, 9, 7}), false, true)}, {{"window", IntList{3, 3}}, {"stride", IntList{2, 2}}})));
       break;
     }
     case OpCode::kMaxPoolGrad: {
       CaseBuilder a(name);
-      auto x = a.In(F({2, 3, 8, 6})), dy = a.In(F({2, 3, 4, 3}));
+      auto x = a.In(F({2, 3, 8, 6}), false, true), dy = a.In(F({2, 3, 4, 3}));
       out.push_back(a.Out(a.b.Emit(op, {x, dy}, {{"window", IntList{2, 2}}})));
       CaseBuilder b(name + " overlapping 3x3 stride 2");
       auto x2 = b.In(F({2, 3, 9, 7})), dy2 = b.In(F({2, 3, 4, 3}));

@@ -420,7 +420,7 @@ TEST_CASE("many small tensors: after the sharder, ONE reduce-scatter and ONE all
   CHECK(FileCheck(c.text, R"C(
     CHECK: [[PACK:%\d+]] = concat({{.*}}) {axis=1} : f32[2,13]
     CHECK-NEXT: [[FLAT:%\d+]] = reshape([[PACK]]) {shape=[26]} : f32[26]
-    CHECK-NEXT: [[RS:%\d+]] = reduce_scatter([[FLAT]]) {group_size=2, reduction="mean"} : f32[13]
+    CHECK-NEXT: [[RS:%\d+]] = reduce_scatter([[FLAT]]) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[13]
     CHECK: slice([[RS]]) {limit=[1], start=[0]} : f32[1]
     CHECK: slice([[RS]]) {limit=[3], start=[1]} : f32[2]
     CHECK: slice([[RS]]) {limit=[5], start=[3]} : f32[2]
@@ -428,7 +428,7 @@ TEST_CASE("many small tensors: after the sharder, ONE reduce-scatter and ONE all
     CHECK: slice([[RS]]) {limit=[10], start=[7]} : f32[3]
     CHECK: slice([[RS]]) {limit=[13], start=[10]} : f32[3]
     CHECK: [[CAT:%\d+]] = concat({{.*}}) {axis=0} : f32[13]
-    CHECK-NEXT: [[AG:%\d+]] = all_gather([[CAT]]) {group_size=2} : f32[26]
+    CHECK-NEXT: [[AG:%\d+]] = all_gather([[CAT]]) {{[{](combined=\d+, )?}}group_size=2} : f32[26]
     CHECK-NEXT: [[ROWS:%\d+]] = reshape([[AG]]) {shape=[2,13]} : f32[2,13]
     CHECK: slice([[ROWS]]) {limit=[2,1], start=[0,0]} : f32[2,1]
     CHECK: slice([[ROWS]]) {limit=[2,3], start=[0,1]} : f32[2,2]
@@ -462,8 +462,8 @@ TEST_CASE("combining respects the byte threshold", "[collective-combiner][thresh
     CHECK(Count(c.text, "all_gather(") == 2);
     CHECK(LargestCollective(c.after) <= 48);
     CHECK(FileCheck(c.text, R"C(
-      CHECK: reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[6]
-      CHECK: reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[6]
+      CHECK: reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[6]
+      CHECK: reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[6]
     )C") == "");
     EXPECT_SAME_TRAINING(before, c.after, /*tol=*/0);
   }
@@ -503,8 +503,8 @@ TEST_CASE("combining respects the count threshold", "[collective-combiner][thres
     CHECK(Count(c.text, "reduce_scatter(") == 2);
     CHECK(Count(c.text, "all_gather(") == 2);
     CHECK(FileCheck(c.text, R"C(
-      CHECK: reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[8]
-      CHECK: reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[4]
+      CHECK: reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[8]
+      CHECK: reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[4]
     )C") == "");
     EXPECT_SAME_TRAINING(before, c.after, /*tol=*/0);
   }
@@ -539,10 +539,10 @@ module @dep replicas=2 {
     CHECK(c.changed);
     CHECK(Count(c.text, "all_reduce(") == 2);
     CHECK(FileCheck(c.text, R"C(
-      CHECK: [[A:%\d+]] = all_reduce(%0) {reduction="sum"} : f32[4]
+      CHECK: [[A:%\d+]] = all_reduce(%0) {{[{](combined=\d+, )?}}reduction="sum"} : f32[4]
       CHECK-NEXT: [[SQ:%\d+]] = mul([[A]], [[A]]) : f32[4]
       CHECK-NEXT: [[PACK:%\d+]] = concat([[SQ]], %1) {axis=0} : f32[8]
-      CHECK-NEXT: [[BC:%\d+]] = all_reduce([[PACK]]) {reduction="sum"} : f32[8]
+      CHECK-NEXT: [[BC:%\d+]] = all_reduce([[PACK]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[8]
     )C") == "");
     EXPECT_SAME_TRAINING(before, c.after, /*tol=*/0);
   }
@@ -638,14 +638,14 @@ module @keys replicas=4 {
       CHECK-NOT: all_gather({{.*}} {group_size=4} : f32[16]
       CHECK-NOT: all_gather({{.*}} {group_size=2, {{.*}} : f32[8]
     )C") == "");
-    CHECK(Count(c.text, "{reduction=\"sum\"} : f32[8]") == 1);
-    CHECK(Count(c.text, "{reduction=\"mean\"} : f32[8]") == 1);
-    CHECK(Count(c.text, "{reduction=\"max\"} : f32[8]") == 1);
-    CHECK(Count(c.text, "{groups=[[0,1],[2,3]], reduction=\"sum\"} : f32[8]") == 1);
-    CHECK(Count(c.text, "{group_size=4} : f32[32]") == 1);
-    CHECK(Count(c.text, "{group_size=2, groups=[[0,1],[2,3]]} : f32[16]") == 1);
-    CHECK(Count(c.text, "{group_size=4, reduction=\"sum\"} : f32[2]") == 1);
-    CHECK(Count(c.text, "{group_size=2, groups=[[0,1],[2,3]], reduction=\"sum\"} : f32[4]") == 1);
+    CHECK(Count(c.text, "{combined=2, reduction=\"sum\"} : f32[8]") == 1);
+    CHECK(Count(c.text, "{combined=2, reduction=\"mean\"} : f32[8]") == 1);
+    CHECK(Count(c.text, "{combined=2, reduction=\"max\"} : f32[8]") == 1);
+    CHECK(Count(c.text, "groups=[[0,1],[2,3]], reduction=\"sum\"} : f32[8]") == 1);
+    CHECK(Count(c.text, "group_size=4} : f32[32]") == 1);
+    CHECK(Count(c.text, "group_size=2, groups=[[0,1],[2,3]]} : f32[16]") == 1);
+    CHECK(Count(c.text, "group_size=4, reduction=\"sum\"} : f32[2]") == 1);
+    CHECK(Count(c.text, "group_size=2, groups=[[0,1],[2,3]], reduction=\"sum\"} : f32[4]") == 1);
     EXPECT_SAME_TRAINING(before, c.after, /*tol=*/0);
   }
 }
@@ -703,7 +703,7 @@ TEST_CASE("packed per-tensor norms keep their tensor boundaries", "[collective-c
   // Four scalars, one per norm, in one all-reduce of f32[4]; each norm reads its own element.
   CHECK(FileCheck(c.text, R"C(
     CHECK: [[PACK:%\d+]] = concat({{%\d+}}, {{%\d+}}, {{%\d+}}, {{%\d+}}) {axis=0} : f32[4]
-    CHECK-NEXT: [[AR:%\d+]] = all_reduce([[PACK]]) {reduction="sum"} : f32[4]
+    CHECK-NEXT: [[AR:%\d+]] = all_reduce([[PACK]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[4]
   )C") == "");
   for (int i = 0; i < 4; ++i)
     CHECK(Count(c.text, "{limit=[" + std::to_string(i + 1) + "], start=[" + std::to_string(i) + "]} : f32[1]") >= 1);

@@ -735,7 +735,7 @@ TEST_CASE("Adam: the all-reduce becomes a reduce-scatter, m and v live as shards
   CHECK(FileCheck(s.text, R"C(
     CHECK: [[W:%\d+]] = variable @w {role="weight"} : f32[4,3]
     CHECK: [[G:%\d+]] = mul(%0, [[W]]) : f32[4,3]
-    CHECK: [[RS:%\d+]] = reduce_scatter([[G]]) {group_size=2, reduction="mean"} : f32[2,3]
+    CHECK: [[RS:%\d+]] = reduce_scatter([[G]]) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[2,3]
     CHECK: mul({{%\d+}}, [[RS]]) : f32[2,3]
     CHECK: mul([[RS]], [[RS]]) : f32[2,3]
     CHECK: [[ROWS:%\d+]] = reshape([[W]]) {shape=[2,6]} : f32[2,6]
@@ -743,7 +743,7 @@ TEST_CASE("Adam: the all-reduce becomes a reduce-scatter, m and v live as shards
     CHECK-NEXT: [[MINE:%\d+]] = gather([[ROWS]], [[R]]) : f32[6]
     CHECK-NEXT: [[WS:%\d+]] = reshape([[MINE]]) {shape=[2,3]} : f32[2,3]
     CHECK-NEXT: [[NEW:%\d+]] = sub([[WS]], {{%\d+}}) : f32[2,3]
-    CHECK: [[AG:%\d+]] = all_gather([[NEW]]) {group_size=2} : f32[4,3]
+    CHECK: [[AG:%\d+]] = all_gather([[NEW]]) {{[{](combined=\d+, )?}}group_size=2} : f32[4,3]
     CHECK: assign @w = [[AG]]
   )C") == "");
   CHECK(Count(s.text, "all_reduce") == 0);
@@ -765,8 +765,8 @@ TEST_CASE("momentum (Nesterov, weight decay) at 4 replicas: bitwise equal to the
     CHECK: [[W:%\d+]] = variable @w {role="weight"} : f32[8,2]
     CHECK: variable @w/momentum {logical_shape=[8,2], role="optimizer_state", shard_count=4, shard_format="dim0"} : f32[2,2]
     CHECK: variable @b/momentum {logical_shape=[4], role="optimizer_state", shard_count=4, shard_format="dim0"} : f32[1]
-    CHECK: reduce_scatter({{%\d+}}) {group_size=4, reduction="mean"} : f32[2,2]
-    CHECK: reduce_scatter({{%\d+}}) {group_size=4, reduction="mean"} : f32[1]
+    CHECK: reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=4, reduction="mean"} : f32[2,2]
+    CHECK: reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=4, reduction="mean"} : f32[1]
   )C") == "");
   // Weight decay reads w: the replicated weight is sliced locally (no communication) for it.
   CHECK(FileCheck(s.text, R"C(
@@ -775,8 +775,8 @@ TEST_CASE("momentum (Nesterov, weight decay) at 4 replicas: bitwise equal to the
     CHECK: [[MINE:%\d+]] = gather([[ROWS]], {{%\d+}}) : f32[4]
     CHECK: [[WS:%\d+]] = reshape([[MINE]]) {shape=[2,2]} : f32[2,2]
     CHECK: mul({{%\d+}}, [[WS]]) : f32[2,2]
-    CHECK: [[AGW:%\d+]] = all_gather({{%\d+}}) {group_size=4} : f32[8,2]
-    CHECK: [[AGB:%\d+]] = all_gather({{%\d+}}) {group_size=4} : f32[4]
+    CHECK: [[AGW:%\d+]] = all_gather({{%\d+}}) {{[{](combined=\d+, )?}}group_size=4} : f32[8,2]
+    CHECK: [[AGB:%\d+]] = all_gather({{%\d+}}) {{[{](combined=\d+, )?}}group_size=4} : f32[4]
     CHECK: assign @w = [[AGW]]
     CHECK: assign @b = [[AGB]]
   )C") == "");
@@ -793,7 +793,7 @@ TEST_CASE("LAMB: per-tensor norms become partial reductions plus an all-reduce o
   // Four norms (||w1||, ||r1||, ||w2||, ||r2||): each is a local sum over this replica's shard and an
   // all-reduce(sum) of that one scalar; nothing of tensor size is all-reduced.
   CHECK(Count(s.text, "all_reduce(") == 4);
-  CHECK(Count(s.text, "{reduction=\"sum\"} : f32[]") == 4);
+  CHECK(Count(s.text, "reduction=\"sum\"} : f32[]") == 4);
   CHECK(FileCheck(s.text, "CHECK-NOT: all_reduce({{.*}}) {reduction=\"mean\"}") == "");
   CHECK(Count(s.text, "reduce_scatter(") == 2);
   CHECK(Count(s.text, "all_gather(") == 2);
@@ -801,9 +801,9 @@ TEST_CASE("LAMB: per-tensor norms become partial reductions plus an all-reduce o
   // with padding masked out first.
   CHECK(FileCheck(s.text, R"C(
     CHECK: [[P1:%\d+]] = reduce_sum({{%\d+}}) {axes=[0,1]} : f32[]
-    CHECK-NEXT: all_reduce([[P1]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: all_reduce([[P1]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
     CHECK: [[P2:%\d+]] = reduce_sum({{%\d+}}) {axes=[0,1]} : f32[]
-    CHECK-NEXT: all_reduce([[P2]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: all_reduce([[P2]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
   )C") == "");
   CHECK(FileCheck(s.text, R"C(
     CHECK: variable @w2/m {logical_shape=[3], role="optimizer_state", shard_count=2, shard_format="flat"} : f32[2]
@@ -813,7 +813,7 @@ TEST_CASE("LAMB: per-tensor norms become partial reductions plus an all-reduce o
     CHECK-NEXT: [[MASK:%\d+]] = gather([[OROWS]], {{%\d+}}) : f32[2]
     CHECK: [[SEL:%\d+]] = select([[MASK]], {{%\d+}}, {{%\d+}}) : f32[2]
     CHECK-NEXT: [[P3:%\d+]] = reduce_sum([[SEL]]) {axes=[0]} : f32[]
-    CHECK-NEXT: all_reduce([[P3]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: all_reduce([[P3]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
   )C") == "");
   // The tensors' norms stay apart: no partial reduction reads values of both tensors.
   for (const Instr& in : s.after.instrs) {
@@ -834,7 +834,7 @@ TEST_CASE("LAMB: per-tensor norms become partial reductions plus an all-reduce o
     CHECK(Count(text, "all_reduce(") == 1);
     CHECK(FileCheck(text, R"C(
       CHECK: [[PACK:%\d+]] = concat({{%\d+}}, {{%\d+}}, {{%\d+}}, {{%\d+}}) {axis=0} : f32[4]
-      CHECK-NEXT: all_reduce([[PACK]]) {reduction="sum"} : f32[4]
+      CHECK-NEXT: all_reduce([[PACK]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[4]
     )C") == "");
     EXPECT_SAME_TRAINING(s.before, packed, /*tol=*/1e-6);
   }
@@ -849,19 +849,19 @@ TEST_CASE("global-norm clipping across three tensors: one partial sum per tensor
   CHECK(Count(s.text, "all_reduce(") == 3);
   CHECK(FileCheck(s.text, "CHECK-NOT: all_reduce({{.*}} : f32[{{\\d}}") == "");  // no tensor all-reduce
   CHECK(FileCheck(s.text, R"C(
-    CHECK: [[RS1:%\d+]] = reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[2,2]
-    CHECK: [[RS2:%\d+]] = reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[3]
-    CHECK: [[RS3:%\d+]] = reduce_scatter({{%\d+}}) {group_size=2, reduction="mean"} : f32[1,3]
+    CHECK: [[RS1:%\d+]] = reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[2,2]
+    CHECK: [[RS2:%\d+]] = reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[3]
+    CHECK: [[RS3:%\d+]] = reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[1,3]
     CHECK: [[SQ1:%\d+]] = mul([[RS1]], [[RS1]]) : f32[2,2]
     CHECK-NEXT: [[P1:%\d+]] = reduce_sum([[SQ1]]) {axes=[0,1]} : f32[]
-    CHECK-NEXT: [[T1:%\d+]] = all_reduce([[P1]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: [[T1:%\d+]] = all_reduce([[P1]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
     CHECK: [[SQ2:%\d+]] = mul([[RS2]], [[RS2]]) : f32[3]
     CHECK-NEXT: [[P2:%\d+]] = reduce_sum([[SQ2]]) {axes=[0]} : f32[]
-    CHECK-NEXT: [[T2:%\d+]] = all_reduce([[P2]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: [[T2:%\d+]] = all_reduce([[P2]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
     CHECK-NEXT: add([[T1]], [[T2]]) : f32[]
     CHECK: [[SQ3:%\d+]] = mul([[RS3]], [[RS3]]) : f32[1,3]
     CHECK-NEXT: [[P3:%\d+]] = reduce_sum([[SQ3]]) {axes=[0,1]} : f32[]
-    CHECK-NEXT: [[T3:%\d+]] = all_reduce([[P3]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: [[T3:%\d+]] = all_reduce([[P3]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
   )C") == "");
   // The clipping coefficient is computed once, replicated (scalar arithmetic), and read by every shard.
   CHECK(Count(s.text, "min(") == 1);
@@ -892,7 +892,7 @@ TEST_CASE("a tensor whose size is not a multiple of N: flattened, padded, and th
     CHECK: variable @w/momentum {logical_shape=[5,3], role="optimizer_state", shard_count=2, shard_format="flat"} : f32[8]
     CHECK: [[FLAT:%\d+]] = reshape({{%\d+}}) {shape=[15]} : f32[15]
     CHECK-NEXT: [[PAD:%\d+]] = pad([[FLAT]]) {high=[1], low=[0]} : f32[16]
-    CHECK-NEXT: [[RS:%\d+]] = reduce_scatter([[PAD]]) {group_size=2, reduction="mean"} : f32[8]
+    CHECK-NEXT: [[RS:%\d+]] = reduce_scatter([[PAD]]) {{[{](combined=\d+, )?}}group_size=2, reduction="mean"} : f32[8]
   )C") == "");
   // The mask: ones over the 15 real elements, zero-padded, this replica's slice.
   CHECK(FileCheck(s.text, R"C(
@@ -902,14 +902,14 @@ TEST_CASE("a tensor whose size is not a multiple of N: flattened, padded, and th
     CHECK: [[MASK:%\d+]] = gather([[OROWS]], {{%\d+}}) : f32[8]
     CHECK: [[S:%\d+]] = select([[MASK]], {{%\d+}}, {{%\d+}}) : f32[8]
     CHECK-NEXT: [[PS:%\d+]] = reduce_sum([[S]]) {axes=[0]} : f32[]
-    CHECK-NEXT: all_reduce([[PS]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: all_reduce([[PS]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
     CHECK: [[NINF:%\d+]] = constant {value=-inf} : f32[8]
     CHECK-NEXT: [[SM:%\d+]] = select([[MASK]], {{%\d+}}, [[NINF]]) : f32[8]
     CHECK-NEXT: [[PM:%\d+]] = reduce_max([[SM]]) {axes=[0]} : f32[]
-    CHECK-NEXT: all_reduce([[PM]]) {reduction="max"} : f32[]
+    CHECK-NEXT: all_reduce([[PM]]) {{[{](combined=\d+, )?}}reduction="max"} : f32[]
     CHECK: [[SE:%\d+]] = select([[MASK]], {{%\d+}}, {{%\d+}}) : f32[8]
     CHECK-NEXT: [[PE:%\d+]] = reduce_sum([[SE]]) {axes=[0]} : f32[]
-    CHECK-NEXT: [[TE:%\d+]] = all_reduce([[PE]]) {reduction="sum"} : f32[]
+    CHECK-NEXT: [[TE:%\d+]] = all_reduce([[PE]]) {{[{](combined=\d+, )?}}reduction="sum"} : f32[]
     CHECK-NEXT: [[N:%\d+]] = constant {value=15.0} : f32[]
     CHECK-NEXT: div([[TE]], [[N]]) : f32[]
   )C") == "");
@@ -920,7 +920,7 @@ TEST_CASE("a tensor whose size is not a multiple of N: flattened, padded, and th
     CHECK-NEXT: [[WP:%\d+]] = pad([[WF]]) {high=[1], low=[0]} : f32[16]
     CHECK-NEXT: [[WR:%\d+]] = reshape([[WP]]) {shape=[2,8]} : f32[2,8]
     CHECK-NEXT: gather([[WR]], {{%\d+}}) : f32[8]
-    CHECK: [[AG:%\d+]] = all_gather({{%\d+}}) {group_size=2} : f32[16]
+    CHECK: [[AG:%\d+]] = all_gather({{%\d+}}) {{[{](combined=\d+, )?}}group_size=2} : f32[16]
     CHECK-NEXT: [[CUT:%\d+]] = slice([[AG]]) {limit=[15], start=[0]} : f32[15]
     CHECK-NEXT: [[NW:%\d+]] = reshape([[CUT]]) {shape=[5,3]} : f32[5,3]
     CHECK: assign @w = [[NW]]
@@ -937,8 +937,8 @@ TEST_CASE("a non-partitionable op runs replicated on gathered values, and the re
   INFO(s.text);
   // transpose and matmul read the all-gathered gradient; their results are sliced back to the shard.
   CHECK(FileCheck(s.text, R"C(
-    CHECK: [[RS:%\d+]] = reduce_scatter({{%\d+}}) {group_size=3, reduction="mean"} : f32[1,3]
-    CHECK-NEXT: [[FULL:%\d+]] = all_gather([[RS]]) {group_size=3} : f32[3,3]
+    CHECK: [[RS:%\d+]] = reduce_scatter({{%\d+}}) {{[{](combined=\d+, )?}}group_size=3, reduction="mean"} : f32[1,3]
+    CHECK-NEXT: [[FULL:%\d+]] = all_gather([[RS]]) {{[{](combined=\d+, )?}}group_size=3} : f32[3,3]
     CHECK-NEXT: [[T:%\d+]] = transpose([[FULL]]) {perm=[1,0]} : f32[3,3]
     CHECK: [[TS:%\d+]] = gather([[T]], {{%\d+}}) : f32[3]
     CHECK: add([[RS]], {{%\d+}}) : f32[1,3]
@@ -964,8 +964,8 @@ TEST_CASE("replica groups: 8 replicas in groups of 4, every collective carries t
   const std::string groups = "groups=[[0,1,2,3],[4,5,6,7]]";
   CHECK(Count(s.text, "reduce_scatter(") == 2);
   CHECK(Count(s.text, "all_gather(") == 2);
-  CHECK(Count(s.text, "{group_size=4, " + groups + ", reduction=\"mean\"}") == 2);
-  CHECK(Count(s.text, "all_gather(") == Count(s.text, "{group_size=4, " + groups + "} : f32["));
+  CHECK(Count(s.text, "group_size=4, " + groups + ", reduction=\"mean\"}") == 2);
+  CHECK(Count(s.text, "all_gather(") == Count(s.text, "group_size=4, " + groups + "} : f32["));
   // Each scalar norm all-reduce stays inside the group (no group_size on an all-reduce).
   CHECK(Count(s.text, "all_reduce(") == 3);
   CHECK(Count(s.text, "{" + groups + ", reduction=\"sum\"} : f32[]") == 3);
@@ -1107,9 +1107,9 @@ TEST_CASE("gather_at_start: weights become sharded variables and the forward rea
     CHECK: [[W:%\d+]] = variable @w {logical_shape=[4,3], role="weight", shard_count=2, shard_format="dim0"} : f32[2,3]
     CHECK: [[B:%\d+]] = variable @b {logical_shape=[3], role="weight", shard_count=2, shard_format="flat"} : f32[2]
     CHECK: variable @w/momentum {logical_shape=[4,3], role="optimizer_state", shard_count=2, shard_format="dim0"} : f32[2,3]
-    CHECK: [[WF:%\d+]] = all_gather([[W]]) {group_size=2} : f32[4,3]
+    CHECK: [[WF:%\d+]] = all_gather([[W]]) {{[{](combined=\d+, )?}}group_size=2} : f32[4,3]
     CHECK-NEXT: [[H:%\d+]] = matmul(%0, [[WF]]) {transpose_a=0, transpose_b=0} : f32[2,3]
-    CHECK: [[BF:%\d+]] = all_gather([[B]]) {group_size=2} : f32[4]
+    CHECK: [[BF:%\d+]] = all_gather([[B]]) {{[{](combined=\d+, )?}}group_size=2} : f32[4]
     CHECK-NEXT: [[BL:%\d+]] = slice([[BF]]) {limit=[3], start=[0]} : f32[3]
     CHECK: [[NW:%\d+]] = sub([[W]], {{%\d+}}) : f32[2,3]
     CHECK: [[NB:%\d+]] = sub([[B]], {{%\d+}}) : f32[2]
