@@ -9,12 +9,9 @@ namespace shardstep::ir {
 MemoryPlan PlanMemory(const Module& m) {
   MemoryPlan p;
   const int n = m.size();
-  std::vector<char> per(n, 0);
+  const std::vector<char> per = m.PerReplicaValues();
   for (ValueId v = 0; v < n; ++v) {
     const Instr& in = m.at(v);
-    if (in.op == OpCode::kInput || in.op == OpCode::kReplicaId) per[v] = 1;
-    else if (in.op != OpCode::kAllReduce)
-      for (ValueId o : in.operands) per[v] |= per[o];
     if (in.op == OpCode::kVariable) {
       const std::string role = in.GetString("role", "");
       (role == kRoleWeight ? p.weight_bytes : p.optimizer_state_bytes) += in.type.bytes();

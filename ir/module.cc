@@ -148,6 +148,17 @@ std::vector<std::vector<ValueId>> Module::Users() const {
   return users;
 }
 
+std::vector<char> Module::PerReplicaValues() const {
+  std::vector<char> per(size(), 0);
+  for (ValueId v = 0; v < size(); ++v) {
+    const Instr& in = instrs[v];
+    if (in.op == OpCode::kInput || in.op == OpCode::kReplicaId) per[v] = 1;
+    else if (in.op != OpCode::kAllReduce)
+      for (ValueId o : in.operands) per[v] |= per[o];
+  }
+  return per;
+}
+
 void Module::Canonicalize() {
   const int n = size();
   // 1. Liveness: roots are variables, inputs, and everything assigned, output or recorded as gradient.

@@ -83,6 +83,9 @@ struct Module {
   void Canonicalize();
   // Users of each value.
   std::vector<std::vector<ValueId>> Users() const;
+  // 1 for values that differ between replicas: inputs, the replica id and what depends on them. An
+  // all-reduce's result is the same on every replica of its group again.
+  std::vector<char> PerReplicaValues() const;
 
   bool operator==(const Module& o) const;
 };

@@ -250,13 +250,7 @@ bool WeightUpdateSharder::Run(Module& m) {
   const int n = m.size();
 
   // 1. Per-replica values.
-  std::vector<char> per(n, 0);
-  for (ValueId v = 0; v < n; ++v) {
-    const Instr& in = m.at(v);
-    if (in.op == OpCode::kInput || in.op == OpCode::kReplicaId) per[v] = 1;
-    else if (in.op != OpCode::kAllReduce)
-      for (ValueId o : in.operands) per[v] |= per[o];
-  }
+  const std::vector<char> per = m.PerReplicaValues();
   // 2. The update region.
   Rewriter rw(m, g, ContiguousGroups(m.num_replicas, static_cast<int>(g)));
   std::vector<ValueId> work;
