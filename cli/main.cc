@@ -226,6 +226,11 @@ int RunTrain(const TrainFlags& t) {
   o.eval_batch = t.eval_batch;
   o.metrics_out = t.metrics_out;
   o.save = t.save;
+  const ir::MemoryPlan mem = ir::PlanMemory(program.step);
+  o.memory = {{"weights_bytes", mem.weight_bytes},
+              {"optimizer_state_bytes", mem.optimizer_state_bytes},
+              {"gradients_bytes", mem.gradient_bytes},
+              {"peak_temporaries_bytes", mem.peak_temp_bytes}};
   runtime::TrainResult r = runtime::Train(*exec, forward, train, &test, o, std::cout);
   std::cout << "final: loss " << r.losses.back() << ", test accuracy " << r.test_accuracy << ", "
             << static_cast<int64_t>(r.examples_per_second) << " examples/s\n";

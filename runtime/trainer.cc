@@ -71,6 +71,12 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
   if (!o.metrics_out.empty()) {
     metrics.open(o.metrics_out, std::ios::trunc);
     if (!metrics) throw Error(Str("cannot write metrics file ", o.metrics_out));
+    if (!o.memory.empty()) {
+      metrics << "{\"memory\":{";
+      for (size_t i = 0; i < o.memory.size(); ++i)
+        metrics << (i ? "," : "") << "\"" << o.memory[i].first << "\":" << o.memory[i].second;
+      metrics << "}}\n";
+    }
   }
   TrainResult result;
   BatchIterator it(train, o.batch, o.shuffle, o.seed, o.example_shape);

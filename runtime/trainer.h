@@ -24,6 +24,8 @@ struct TrainOptions {
   int64_t eval_batch = 1000; // must divide the test set size
   std::string metrics_out;   // JSON Lines file ("" = none)
   std::string save;          // checkpoint written at the end ("" = none)
+  // Per-replica memory (name -> bytes), written as the first metrics line {"memory": {...}}.
+  std::vector<std::pair<std::string, int64_t>> memory;
 };
 
 struct TrainResult {

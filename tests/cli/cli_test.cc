@@ -109,7 +109,9 @@ TEST_CASE("a short run writes JSON Lines metrics and a loadable checkpoint; a co
   std::string line;
   int steps = 0, evals = 0;
   while (std::getline(in, line)) {
-    if (line.find("\"split\":\"test\"") != std::string::npos) {
+    if (line.find("\"memory\":") != std::string::npos) {
+      CHECK_THAT(line, Catch::Contains("\"optimizer_state_bytes\":"));
+    } else if (line.find("\"split\":\"test\"") != std::string::npos) {
       ++evals;
       CHECK_THAT(line, Catch::Contains("\"accuracy\":"));
     } else {

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 
 #include <catch2/catch.hpp>
+
+#include "tests/test_util.h"
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -27,16 +29,7 @@ namespace {
 constexpr int64_t kBatch = 24;
 const std::vector<int64_t> kHidden = {25, 10};  // shapes that need padding at N = 2, 4, 8
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/ss_resharding_test.XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
+using shardstep::testing::TempDir;
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

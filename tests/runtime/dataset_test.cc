@@ -14,6 +14,7 @@
 #include <set>
 
 #include "ir/error.h"
+#include "tests/test_util.h"
 
 using namespace shardstep;
 using namespace shardstep::runtime;
@@ -22,16 +23,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/ss_dataset_test.XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string operator/(const std::string& name) const { return path + "/" + name; }
-};
+using shardstep::testing::TempDir;
 
 std::vector<uint8_t> Idx(uint32_t magic, std::vector<uint32_t> dims, std::vector<uint8_t> data) {
   std::vector<uint8_t> out;
