@@ -59,7 +59,7 @@ def run_shardstep(a, extra, tmp):
         sys.exit(f"FAIL: shardstep exited with {r.returncode}:\n{r.stdout}")
     with open(metrics) as f:
         rows = [json.loads(l) for l in f if l.strip()]
-    losses = [row["loss"] for row in rows if "split" not in row]  # skip the test-eval rows
+    losses = [row["loss"] for row in rows if "step" in row and "split" not in row]  # skip eval and memory rows
     if len(losses) != a.steps:
         sys.exit(f"FAIL: expected {a.steps} training rows in {metrics}, got {len(losses)}")
     return read_safetensors(init), losses, secs
