@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
+#include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 #include <unistd.h>
 
@@ -24,6 +25,10 @@
 #include "dsl/dsl.h"
 #include "ir/builder.h"
 #include "ir/error.h"
+#include "ir/passes/collective_combiner.h"
+#include "ir/passes/data_parallel_lowering.h"
+#include "ir/passes/optimizer_lowering.h"
+#include "ir/passes/weight_update_sharder.h"
 #include "jit/cpu_executor.h"
 #include "jit/dnnl_kernels.h"
 #include "models/models.h"
@@ -48,7 +53,7 @@ double CpuSeconds() {
 // The PyTorch child: line protocol over two pipes.
 class Torch {
  public:
-  explicit Torch(const std::string& script) {
+  Torch(const std::string& script, int threads) {
     int in[2], out[2];
     if (pipe(in) != 0 || pipe(out) != 0) throw Error("pipe failed");
     pid_ = fork();
@@ -58,7 +63,8 @@ class Torch {
       close(in[1]);
       close(out[0]);
       setenv("OPENBLAS_NUM_THREADS", "1", 1);
-      execl("/usr/bin/python3", "python3", script.c_str(), "2", static_cast<char*>(nullptr));
+      const std::string t = std::to_string(threads);
+      execl("/usr/bin/python3", "python3", script.c_str(), t.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     close(in[0]);
@@ -126,14 +132,20 @@ double StepFlops(const ir::Module& m) {
   return f;
 }
 
-double SgemmGflops(int64_t m, int64_t n, int64_t k) {
+// oneDNN sgemm C[m,n] = A[m,k] B[k,n]: with oneDNN's own OpenMP threading (tbb_split = false) or
+// as the step runs it (row blocks as TBB tasks, one OpenMP thread each).
+double SgemmGflops(int64_t m, int64_t n, int64_t k, bool tbb_split = false) {
   std::vector<float> a(m * k, 0.5f), b(k * n, 0.25f), c(m * n);
-  jit::SetOmpThreads(jit::NumCores());  // oneDNN's own (OpenMP) threading, its best case
-  for (int i = 0; i < 3; ++i) jit::DnnlSgemm(false, false, m, n, k, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+  jit::SetOmpThreads(tbb_split ? 1 : jit::NumCores());
+  auto run = [&] {
+    if (tbb_split) jit::ParallelSgemm(false, false, m, n, k, a.data(), k, b.data(), n, c.data());
+    else jit::DnnlSgemm(false, false, m, n, k, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+  };
+  for (int i = 0; i < 3; ++i) run();
   std::vector<double> t;
   for (int i = 0; i < 20; ++i) {
     auto t0 = Clock::now();
-    jit::DnnlSgemm(false, false, m, n, k, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+    run();
     t.push_back(Seconds(t0, Clock::now()));
   }
   jit::SetOmpThreads(1);
@@ -192,12 +204,58 @@ double FusedAdamBytesPerSecond(int64_t n, int* kernels) {
   return 7.0 * 4 * n / Median(ts);
 }
 
+// The weight-update phase alone (as bench/weight_update builds it: per-replica gradients in,
+// all-reduce or reduce-scatter + all-gather, Adam, assigns) on the JIT at n replicas.
+double UpdatePhaseMs(int n, bool shard, int reps) {
+  std::vector<std::pair<std::string, ir::Shape>> weights;
+  {
+    dsl::Model m("mlp");
+    models::ModelOptions mo;
+    mo.hidden = {1024, 1024};
+    models::DefineMlp(m, mo);
+    ir::Module fwd = m.lower(1);
+    for (ir::ValueId v : fwd.VariablesWithRole(ir::kRoleWeight)) weights.push_back({fwd.at(v).name, fwd.type(v).shape});
+  }
+  ir::Module m;
+  m.name = "adam_update";
+  m.num_replicas = n;
+  ir::Builder b(&m);
+  for (auto& [name, shape] : weights) {
+    ir::ValueId w = b.Variable(name, {ir::DType::kF32, shape}, ir::kRoleWeight, {{"init", std::string("zeros")}});
+    m.gradients.push_back({w, b.Input("grad/" + name, {ir::DType::kF32, shape})});
+  }
+  ir::DataParallelLowering().Run(m);
+  ir::OptimizerLowering(dsl::Adam().lr(1e-3)).Run(m);
+  if (shard) ir::WeightUpdateSharder().Run(m);
+  ir::CollectiveCombiner(4 << 20, 64).Run(m);
+  jit::CpuExecutor exec(m, runtime::InitLogicalState(m));
+  runtime::TensorMap grads;
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& [name, shape] : weights) {
+    ir::Shape global = shape;
+    global[0] *= n;
+    runtime::Tensor t(ir::TensorType{ir::DType::kF32, global});
+    for (float& x : t.f32) x = u(rng);
+    grads["grad/" + name] = std::move(t);
+  }
+  exec.Step(grads);
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    auto t0 = Clock::now();
+    exec.Step(grads);
+    t.push_back(Seconds(t0, Clock::now()) * 1e3);
+  }
+  return Median(t);
+}
+
 struct Row {
   std::string model;
   double jit_ms, torch_ms, gflop, cpu_util;
+  std::vector<double> torch_each;  // per thread setting
 };
 
-Row BenchModel(const std::string& name, Torch& torch, int rounds, int k) {
+Row BenchModel(const std::string& name, std::vector<Torch*> torches, int rounds, int k) {
   dsl::Model m(name, 1);
   models::ModelOptions mo;
   mo.batch = 128;
@@ -214,7 +272,8 @@ Row BenchModel(const std::string& name, Torch& torch, int rounds, int k) {
   batch["label"] = runtime::Tensor(p.step.type(p.step.FindInput("label")));
   for (int32_t& l : batch["label"].s32) l = static_cast<int32_t>(rng() % 10);
   for (int i = 0; i < 3; ++i) exec.Step(batch);
-  std::vector<double> jit_ms, torch_ms;
+  std::vector<double> jit_ms;
+  std::vector<std::vector<double>> torch_ms(torches.size());
   double cpu = 0, wall = 0;
   for (int r = 0; r < rounds; ++r) {
     for (int i = 0; i < k; ++i) {
@@ -226,12 +285,16 @@ Row BenchModel(const std::string& name, Torch& torch, int rounds, int k) {
       wall += s;
       jit_ms.push_back(s * 1e3);
     }
-    auto t = torch.Steps(name, k);
-    torch_ms.insert(torch_ms.end(), t.begin(), t.end());
+    for (size_t j = 0; j < torches.size(); ++j) {
+      auto t = torches[j]->Steps(name, k);
+      torch_ms[j].insert(torch_ms[j].end(), t.begin(), t.end());
+    }
   }
+  std::vector<double> each;
+  for (auto& t : torch_ms) each.push_back(Median(t));
   std::cout << "  " << name << ": jit compile " << exec.compile_info().source << " " << std::fixed << std::setprecision(3)
             << exec.compile_info().seconds << " s, " << exec.compile_info().kernels << " fused kernels\n";
-  return {name, Median(jit_ms), Median(torch_ms), StepFlops(p.step) / 1e9, cpu / wall};
+  return {name, Median(jit_ms), *std::min_element(each.begin(), each.end()), StepFlops(p.step) / 1e9, cpu / wall, each};
 }
 
 }  // namespace
@@ -239,6 +302,9 @@ Row BenchModel(const std::string& name, Torch& torch, int rounds, int k) {
 int main(int argc, char** argv) {
   try {
     const int rounds = argc > 1 ? std::atoi(argv[1]) : 8;
+    // Optional second argument: cap shardstep's threads (TBB) to measure its best setting on a busy machine.
+    const int threads = argc > 2 ? std::atoi(argv[2]) : jit::NumCores();
+    tbb::global_control cap(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(std::max(1, threads)));
     const int k = 5;
     std::string here = __FILE__;  // the script sits beside this file
     std::string script = here.substr(0, here.find_last_of('/') + 1) + "torch_step.py";
@@ -247,22 +313,27 @@ int main(int argc, char** argv) {
     std::cout << "threads: " << jit::NumCores() << " cores; one replica thread; oneDNN (OpenMP) threads "
               << jit::OmpMaxThreads() << " per call (matmuls split into TBB tasks); TBB max concurrency "
               << tbb::this_task_arena::max_concurrency() << "; OpenBLAS 1 thread\n";
-    Torch torch(script);
-    std::cout << "pytorch child: " << torch.banner() << ", OPENBLAS_NUM_THREADS=1\n";
+    // PyTorch at both thread settings; the comparison is against whichever is faster in this run
+    // (2 threads is best on an idle machine; on a loaded one 1 thread can win).
+    Torch torch2(script, 2), torch1(script, 1);
+    std::cout << "pytorch children: " << torch2.banner() << " / " << torch1.banner() << ", OPENBLAS_NUM_THREADS=1\n";
     std::cout << "measuring alternately, " << rounds << " rounds x " << k << " steps each, batch 128, Adam\n";
     std::vector<Row> rows;
-    for (const char* name : {"mlp", "cnn"}) rows.push_back(BenchModel(name, torch, rounds, k));
+    for (const char* name : {"mlp", "cnn"}) rows.push_back(BenchModel(name, {&torch2, &torch1}, rounds, k));
     const double sgemm_mlp = SgemmGflops(128, 1024, 1024), sgemm_big = SgemmGflops(1024, 1024, 1024);
+    const double split_mlp = SgemmGflops(128, 1024, 1024, true), split_big = SgemmGflops(1024, 1024, 1024, true);
     std::cout << "\n" << std::left << std::setw(6) << "model" << std::right << std::setw(12) << "jit ms" << std::setw(12)
-              << "torch ms" << std::setw(10) << "ratio" << std::setw(12) << "GFLOP/step" << std::setw(12) << "GFLOP/s"
+              << "torch ms" << std::setw(18) << "(2 thr / 1 thr)" << std::setw(10) << "ratio" << std::setw(12) << "GFLOP/step" << std::setw(12) << "GFLOP/s"
               << std::setw(16) << "cpu/wall (jit)" << "\n";
     for (const Row& r : rows)
       std::cout << std::left << std::setw(6) << r.model << std::right << std::fixed << std::setprecision(2)
-                << std::setw(12) << r.jit_ms << std::setw(12) << r.torch_ms << std::setw(10) << r.jit_ms / r.torch_ms
+                << std::setw(12) << r.jit_ms << std::setw(12) << r.torch_ms << std::setw(9) << r.torch_each[0] << " / "
+                << std::setw(6) << r.torch_each[1] << std::setw(10) << r.jit_ms / r.torch_ms
                 << std::setw(12) << std::setprecision(3) << r.gflop << std::setw(12) << std::setprecision(1)
                 << r.gflop / (r.jit_ms / 1e3) << std::setw(16) << std::setprecision(2) << r.cpu_util << "\n";
     std::cout << "oneDNN sgemm (same binary, 2 threads): " << std::setprecision(1) << sgemm_mlp
-              << " GFLOP/s at 128x1024x1024, " << sgemm_big << " GFLOP/s at 1024^3\n";
+              << " GFLOP/s at 128x1024x1024, " << sgemm_big << " GFLOP/s at 1024^3; as the step runs it (TBB row blocks): "
+              << split_mlp << " / " << split_big << " GFLOP/s\n";
     std::cout << "targets: mlp ratio <= 0.70, cnn ratio <= 1.00\n";
 
     int kernels = 0;
@@ -271,6 +342,13 @@ int main(int argc, char** argv) {
     std::cout << "\nfused Adam over " << n << " parameters (" << kernels << " JIT kernel, 7 x 4 bytes/param): "
               << std::setprecision(2) << adam / 1e9 << " GB/s; STREAM triad (3 x 4 bytes/elem): " << triad / 1e9
               << " GB/s; fraction " << adam / triad << " (target >= 0.6)\n";
+
+    std::cout << "\nweight-update phase on the JIT (MLP 784-1024-1024-10, 1.86M parameters, Adam), median of 7:\n";
+    for (int n : {1, 8}) {
+      const double r = UpdatePhaseMs(n, false, 7), sh = UpdatePhaseMs(n, true, 7);
+      std::cout << "  N=" << n << ": replicated " << std::setprecision(2) << r << " ms, sharded " << sh
+                << " ms, ratio " << std::setprecision(3) << sh / r << (n == 8 ? " (target <= 0.25)" : "") << "\n";
+    }
   } catch (const std::exception& e) {
     std::cerr << "bench/step: " << e.what() << "\n";
     return 1;

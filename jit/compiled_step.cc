@@ -27,6 +27,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -53,7 +55,7 @@ using Strides = std::vector<int64_t>;
 namespace {
 
 // Bump when the emitted code changes, so stale cache entries are never used.
-constexpr const char* kEmitterVersion = "shardstep-jit-3";
+constexpr const char* kEmitterVersion = "shardstep-jit-5";
 constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk of a fused loop
 
 int FusionGroup(const ir::Instr& in) { return static_cast<int>(in.GetInt(ir::kFusionAttr, -1)); }
@@ -213,6 +215,28 @@ int32_t ToS32(double v) {
   return static_cast<int32_t>(v);
 }
 
+// SHARDSTEP_JIT_PROFILE=1: wall time per op kind (and for fused loops), printed at exit.
+struct Profile {
+  std::mutex mu;
+  std::map<std::string, std::pair<double, int64_t>> time;
+  ~Profile() {
+    if (time.empty()) return;
+    std::fprintf(stderr, "jit profile (wall seconds, calls):\n");
+    for (auto& [k, v] : time) std::fprintf(stderr, "  %-22s %9.4f %8lld\n", k.c_str(), v.first, static_cast<long long>(v.second));
+  }
+  void Add(const std::string& k, double s) {
+    std::lock_guard<std::mutex> l(mu);
+    auto& e = time[k];
+    e.first += s;
+    ++e.second;
+  }
+};
+Profile* Profiler() {
+  static const bool on = std::getenv("SHARDSTEP_JIT_PROFILE") && std::string(std::getenv("SHARDSTEP_JIT_PROFILE")) == "1";
+  static Profile p;
+  return on ? &p : nullptr;
+}
+
 std::mutex g_cache_mu;
 std::map<std::string, std::shared_ptr<const CompiledStep>>& MemoryCache() {
   static std::map<std::string, std::shared_ptr<const CompiledStep>> cache;
@@ -301,6 +325,13 @@ void CompiledStep::Plan() {
       needs_buffer_[v] = other;
     } else needs_buffer_[v] = 1;
   }
+
+  // An assigned value may be swapped into its variable when it is assigned once and not an output.
+  std::vector<int> uses(n, 0);
+  for (const auto& [var, v] : m_.assigns) ++uses[v];
+  for (const auto& [name, v] : m_.outputs) uses[v] += 2;
+  swappable_.assign(n, 0);
+  for (ValueId v = 0; v < n; ++v) swappable_[v] = uses[v] == 1;
 
   // 2. Schedule: Kahn's algorithm over kernels and the other instructions, in module order where possible.
   const int nodes = n + static_cast<int>(kernels_.size());
@@ -571,7 +602,12 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
   if (ws->owner != this) Allocate(ws);
   for (ValueId v = 0; v < m_.size(); ++v)
     if (ws->is_owned[v]) ws->ptr[v] = ws->owned[v].raw();
+  Profile* prof = Profiler();
   for (const Step& s : schedule_) {
+    const auto t0 = prof ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+    auto account = [&](const std::string& what) {
+      if (prof) prof->Add(what, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    };
     if (s.kernel >= 0) {
       const FusedKernel& k = kernels_[s.kernel];
       ws->bufs.clear();
@@ -586,6 +622,7 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
       } else {
         fn(bufs, 0, n);
       }
+      account("fused loops");
       continue;
     }
     const ir::Instr& in = m_.at(s.value);
@@ -595,6 +632,7 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
       if (ir::HasProperty(in.op, ir::kLeaf)) throw;
       throw Error(Str("%", s.value, " = ", ir::OpName(in.op), ": ", e.what()));
     }
+    account(ir::OpName(in.op));
   }
   TensorMap outputs;
   for (const auto& [name, v] : m_.outputs) {
@@ -604,14 +642,11 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
   }
   // Assignments see the values from before the step: all were computed above. An owned value
   // assigned once and not an output is swapped in; anything else is copied.
-  std::map<ValueId, int> times;
-  for (const auto& [var, v] : m_.assigns) ++times[v];
-  for (const auto& [name, v] : m_.outputs) times[v] += 2;
   for (const auto& [var, v] : m_.assigns) {
     Tensor& dst = variables[m_.at(var).name];
     SS_CHECK(dst.type == m_.at(var).type, "assign to @", m_.at(var).name, " changes its type");
     Tensor& src = ws->owned[v];
-    if (times[v] == 1 && ws->is_owned[v] && src.type == dst.type && ws->ptr[v] == src.raw()) {
+    if (swappable_[v] && ws->is_owned[v] && src.type == dst.type && ws->ptr[v] == src.raw()) {
       std::swap(dst.f32, src.f32);
       std::swap(dst.s32, src.s32);
     } else {
@@ -630,9 +665,12 @@ std::string EmitLlvmIr(const ir::Module& module) {
   auto jit = JitCompiler::Create(o);
   llvm::LLVMContext ctx;
   auto mod = EmitKernels(step->module(), step->kernels(), ctx, "step");
-  jit->Optimize(*mod);
+  std::vector<std::string> remarks;
+  jit->Optimize(*mod, &remarks);
   std::string s;
   llvm::raw_string_ostream os(s);
+  os << "; " << step->kernels().size() << " fused kernels; loop-vectorize remarks:\n";
+  for (const std::string& r : remarks) os << ";   " << r << "\n";
   mod->print(os, nullptr);
   return os.str();
 }

@@ -73,6 +73,7 @@ class CompiledStep {
   std::vector<KernelFn> fns_;
   std::vector<Step> schedule_;
   std::vector<char> needs_buffer_;             // per value
+  std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
   std::shared_ptr<JitCompiler> jit_;
 };

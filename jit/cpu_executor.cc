@@ -44,9 +44,13 @@ TensorMap CpuExecutor::Step(const TensorMap& global_inputs) {
   std::vector<TensorMap> outputs(n);
   auto body = [&](int r) {
     ConfigureThreadsForReplica(n);
+    if (n == 1) {  // the whole batch, read in place
+      outputs[r] = step_->Run(s_->states[r], global_inputs, r, nullptr, &s_->workspaces[r]);
+      return;
+    }
     TensorMap inputs;
     for (auto& [name, t] : global_inputs) inputs[name] = runtime::SliceBatch(t, n, r);
-    outputs[r] = step_->Run(s_->states[r], inputs, r, n > 1 ? &s_->collectives : nullptr, &s_->workspaces[r]);
+    outputs[r] = step_->Run(s_->states[r], inputs, r, &s_->collectives, &s_->workspaces[r]);
   };
   if (n == 1) body(0);  // no thread hop for one replica
   else runtime::RunReplicas(n, &s_->collectives, body);

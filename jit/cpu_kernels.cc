@@ -60,14 +60,17 @@ void Col2Im(const float* col, const ConvShape& g, float* dx) {
     for (int64_t i = 0; i < g.kh; ++i)
       for (int64_t j = 0; j < g.kw; ++j) {
         const float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
+        int64_t xlo = 0;  // output columns whose input column is inside the image: [xlo, xhi)
+        while (xlo < g.ow && xlo * g.sw - g.pw + j < 0) ++xlo;
+        int64_t xhi = g.ow;
+        while (xhi > xlo && (xhi - 1) * g.sw - g.pw + j >= g.w) --xhi;
         for (int64_t y = 0; y < g.oh; ++y) {
           const int64_t iy = y * g.sh - g.ph + i;
           if (iy < 0 || iy >= g.h) continue;
-          float* d = dx + (c * g.h + iy) * g.w;
-          for (int64_t xx = 0; xx < g.ow; ++xx) {
-            const int64_t ix = xx * g.sw - g.pw + j;
-            if (ix >= 0 && ix < g.w) d[ix] += row[y * g.ow + xx];
-          }
+          float* d = dx + (c * g.h + iy) * g.w - g.pw + j;
+          const float* r = row + y * g.ow;
+          if (g.sw == 1) for (int64_t xx = xlo; xx < xhi; ++xx) d[xx] += r[xx];
+          else for (int64_t xx = xlo; xx < xhi; ++xx) d[xx * g.sw] += r[xx];
         }
       }
 }
@@ -149,11 +152,62 @@ void ForEachWindow(const PoolShape& g, F f) {
 }
 }  // namespace
 
+namespace {
+// The common 2x2 window with stride 2: windows do not overlap, and the first-maximum rule
+// (candidates in row-major order, NaN counts as a maximum) unrolls into branch-free selects.
+inline bool Take(float c, float b) { return (c > b) | ((c != c) & (b == b)); }
+bool Is2x2(const PoolShape& g) { return g.kh == 2 && g.kw == 2 && g.sh == 2 && g.sw == 2; }
+
+template <typename F>
+void ForEachPlaneRow(const PoolShape& g, F f) {  // f(row 0 of the window, row 1, output row offset)
+  const int64_t rows = g.planes * g.oh;
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, rows, 256), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t pr = r.begin(); pr < r.end(); ++pr) {
+      const int64_t p = pr / g.oh, y = pr % g.oh;
+      const int64_t r0 = p * g.h * g.w + 2 * y * g.w;
+      f(r0, r0 + g.w, pr * g.ow);
+    }
+  });
+}
+}  // namespace
+
 void MaxPool(const PoolShape& g, const float* x, float* y) {
+  if (Is2x2(g)) {
+    ForEachPlaneRow(g, [&](int64_t r0, int64_t r1, int64_t o) {
+      for (int64_t j = 0; j < g.ow; ++j) {
+        float b = x[r0 + 2 * j];
+        const float c1 = x[r0 + 2 * j + 1], c2 = x[r1 + 2 * j], c3 = x[r1 + 2 * j + 1];
+        b = Take(c1, b) ? c1 : b;
+        b = Take(c2, b) ? c2 : b;
+        b = Take(c3, b) ? c3 : b;
+        y[o + j] = b;
+      }
+    });
+    return;
+  }
   ForEachWindow(g, [&](int64_t i, int64_t o) { y[o] = x[i + ArgMax(x + i, g)]; });
 }
 
 void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx) {
+  if (Is2x2(g) && g.h == 2 * g.oh && g.w == 2 * g.ow) {
+    // The windows tile the plane: one pass writes every element of dx (no separate zeroing).
+    ForEachPlaneRow(g, [&](int64_t r0, int64_t r1, int64_t o) {
+      for (int64_t j = 0; j < g.ow; ++j) {
+        const int64_t a0 = r0 + 2 * j, a2 = r1 + 2 * j;
+        int k = 0;
+        float b = x[a0];
+        if (Take(x[a0 + 1], b)) k = 1, b = x[a0 + 1];
+        if (Take(x[a2], b)) k = 2, b = x[a2];
+        if (Take(x[a2 + 1], b)) k = 3, b = x[a2 + 1];
+        const float d = 0.0f + dy[o + j];  // 0 + dy, as the interpreter accumulates
+        dx[a0] = k == 0 ? d : 0.0f;
+        dx[a0 + 1] = k == 1 ? d : 0.0f;
+        dx[a2] = k == 2 ? d : 0.0f;
+        dx[a2 + 1] = k == 3 ? d : 0.0f;
+      }
+    });
+    return;
+  }
   std::fill(dx, dx + g.planes * g.h * g.w, 0.0f);
   ForEachWindow(g, [&](int64_t i, int64_t o) { dx[i + ArgMax(x + i, g)] += dy[o]; });
 }

@@ -12,6 +12,9 @@
 #include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
 #include <llvm/ExecutionEngine/Orc/JITTargetMachineBuilder.h>
 #include <llvm/ExecutionEngine/Orc/LLJIT.h>
+#include <llvm/IR/DiagnosticHandler.h>
+#include <llvm/IR/DiagnosticInfo.h>
+#include <llvm/IR/Function.h>
 #include <llvm/IR/LLVMContext.h>
 #include <llvm/IR/Module.h>
 #include <llvm/IR/Verifier.h>
@@ -19,6 +22,8 @@
 #include <llvm/Support/MemoryBuffer.h>
 #include <llvm/Support/TargetSelect.h>
 #include <llvm/Target/TargetMachine.h>
+
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -82,7 +87,8 @@ class DiskObjectCache : public llvm::ObjectCache {
     std::error_code ec;
     fs::create_directories(dir_, ec);
     const std::string path = Path(m->getModuleIdentifier());
-    const std::string tmp = path + ".tmp" + std::to_string(reinterpret_cast<uintptr_t>(this));
+    // Unique per process and cache object, so concurrent writers never share a temporary file.
+    const std::string tmp = path + ".tmp" + std::to_string(::getpid()) + "." + std::to_string(reinterpret_cast<uintptr_t>(this));
     {
       std::ofstream f(tmp, std::ios::binary);
       if (!f) return;  // an unwritable cache only costs a recompile
@@ -208,7 +214,31 @@ bool JitCompiler::AddCachedObject(const std::string& key) {
   return true;
 }
 
-void JitCompiler::Optimize(llvm::Module& m) {
+namespace {
+// Collects the loop vectoriser's remarks (the ones -Rpass=loop-vectorize would print).
+struct VectorizeRemarks : llvm::DiagnosticHandler {
+  explicit VectorizeRemarks(std::vector<std::string>* out) : out(out) {}
+  bool handleDiagnostics(const llvm::DiagnosticInfo& di) override {
+    const auto* r = llvm::dyn_cast<llvm::DiagnosticInfoOptimizationBase>(&di);
+    if (!r || r->getPassName() != "loop-vectorize") return false;
+    const char* kind = di.getKind() == llvm::DK_OptimizationRemark ? "passed" : "missed";
+    out->push_back(r->getFunction().getName().str() + ": " + kind + ": " + r->getMsg());
+    return true;
+  }
+  bool isAnalysisRemarkEnabled(llvm::StringRef pass) const override { return false; }
+  bool isAnyRemarkEnabled() const override { return true; }
+  bool isMissedOptRemarkEnabled(llvm::StringRef pass) const override { return pass == "loop-vectorize"; }
+  bool isPassedOptRemarkEnabled(llvm::StringRef pass) const override { return pass == "loop-vectorize"; }
+  std::vector<std::string>* out;
+};
+}  // namespace
+
+void JitCompiler::Optimize(llvm::Module& m, std::vector<std::string>* vectorize_remarks) {
+  std::unique_ptr<llvm::DiagnosticHandler> saved;
+  if (vectorize_remarks) {
+    saved = m.getContext().getDiagnosticHandler();
+    m.getContext().setDiagnosticHandler(std::make_unique<VectorizeRemarks>(vectorize_remarks));
+  }
   m.setDataLayout(impl_->tm->createDataLayout());
   m.setTargetTriple(impl_->tm->getTargetTriple().str());
   llvm::LoopAnalysisManager lam;
@@ -226,6 +256,7 @@ void JitCompiler::Optimize(llvm::Module& m) {
   pb.crossRegisterProxies(lam, fam, cgam, mam);
   llvm::ModulePassManager mpm = pb.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3);
   mpm.run(m, mam);
+  if (vectorize_remarks) m.getContext().setDiagnosticHandler(std::move(saved));
 }
 
 void JitCompiler::AddModule(std::unique_ptr<llvm::Module> module, std::unique_ptr<llvm::LLVMContext> context,

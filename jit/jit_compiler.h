@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace llvm {
 class LLVMContext;
@@ -41,8 +42,10 @@ class JitCompiler {
   // The address of a function defined by an added module (compiles on first use).
   void* Lookup(const std::string& name);
 
-  // The O3 pipeline alone (used by AddModule and by `--emit=llvm`).
-  void Optimize(llvm::Module& module);
+  // The O3 pipeline alone (used by AddModule and by `--emit=llvm`). With `vectorize_remarks`, the
+  // loop vectoriser's optimisation remarks are collected as "<function>: <message>" (passed and
+  // missed), so callers can check that the fused loops were vectorised.
+  void Optimize(llvm::Module& module, std::vector<std::string>* vectorize_remarks = nullptr);
 
   // Number of objects loaded from / written to the disk cache, and corrupt entries rejected.
   int cache_hits() const;

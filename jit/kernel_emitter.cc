@@ -1,5 +1,7 @@
 // KernelEmitter: fused elementwise groups -> LLVM IR loops that O3 vectorises.
 //
+// A broadcast member reads its operand through an index map (out index -> operand index); a rank-0
+// or single-element operand is read once before the loop.
 // Each kernel is a thin entry `kN(i8** bufs, i64 begin, i64 end)` that loads its buffer pointers and
 // calls an always-inline body whose pointer parameters are `noalias` (every value has its own
 // buffer), so the loop vectoriser needs no runtime alias checks. No instruction carries fast-math
@@ -96,7 +98,7 @@ class Emitter {
     for (size_t j = 0; j < nin; ++j) {
       const ValueId v = k.inputs[j];
       input_arg[v] = static_cast<unsigned>(j);
-      if (m_.type(v).shape != k.shape)
+      if (m_.type(v).shape != k.shape && m_.type(v).elements() == 1)
         scalar[v] = b.CreateLoad(ElemTy(m_.type(v).dtype), f->getArg(static_cast<unsigned>(j)));
     }
     b.CreateCondBr(b.CreateICmpSLT(begin, end), loop, exit);
@@ -123,6 +125,33 @@ class Emitter {
     };
     for (ValueId v : k.members) {
       const ir::Instr& in = m_.at(v);
+      const ValueId src = in.operands.empty() ? ir::kNoValue : in.operands[0];
+      if (in.op == OpCode::kBroadcast && !val.count(src) && !scalar.count(src) && m_.at(src).op != OpCode::kConstant) {
+        // out[i] = operand[sum_d ((i / out_stride[dims[d]]) % out_shape[dims[d]]) * in_stride[d]];
+        // the divisors are constants, so LLVM turns them into multiplies.
+        const ir::IntList& dims = in.GetInts("dims");
+        const ir::Shape& os = in.type.shape;
+        const ir::Shape& is = m_.type(src).shape;
+        std::vector<int64_t> ostride(os.size(), 1), istride(is.size(), 1);
+        for (int64_t d = static_cast<int64_t>(os.size()) - 2; d >= 0; --d) ostride[d] = ostride[d + 1] * os[d + 1];
+        for (int64_t d = static_cast<int64_t>(is.size()) - 2; d >= 0; --d) istride[d] = istride[d + 1] * is[d + 1];
+        // In 32 bits when the tensor allows: x86 vectorises i32 division by a constant, not i64.
+        const bool narrow = in.type.elements() < (int64_t{1} << 31);
+        llvm::Type* it = narrow ? b.getInt32Ty() : b.getInt64Ty();
+        auto C = [&](int64_t c) { return llvm::ConstantInt::get(it, static_cast<uint64_t>(c)); };
+        llvm::Value* iv = narrow ? b.CreateTrunc(i, it) : static_cast<llvm::Value*>(i);
+        llvm::Value* idx = C(0);
+        for (size_t d = 0; d < dims.size(); ++d) {
+          if (is[d] == 1) continue;
+          llvm::Value* q = ostride[dims[d]] == 1 ? iv : b.CreateUDiv(iv, C(ostride[dims[d]]));
+          if (dims[d] != 0) q = b.CreateURem(q, C(os[dims[d]]));
+          idx = b.CreateAdd(idx, istride[d] == 1 ? q : b.CreateMul(q, C(istride[d])));
+        }
+        if (narrow) idx = b.CreateZExt(idx, b.getInt64Ty());
+        llvm::Type* t = ElemTy(m_.type(src).dtype);
+        val[v] = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), idx));
+        continue;
+      }
       std::vector<llvm::Value*> x;
       for (ValueId o : in.operands) x.push_back(operand(o));
       val[v] = Lower(b, in, x);
@@ -161,7 +190,7 @@ class Emitter {
     llvm::Value* zero = f ? static_cast<llvm::Value*>(llvm::ConstantFP::get(b.getFloatTy(), 0.0)) : b.getInt32(0);
     llvm::Value* one = llvm::ConstantFP::get(b.getFloatTy(), 1.0);
     switch (in.op) {
-      case OpCode::kBroadcast: return x[0];  // of a scalar
+      case OpCode::kBroadcast: return x[0];  // of a scalar (others are loads through an index map)
       case OpCode::kNeg: return f ? b.CreateFNeg(x[0]) : b.CreateSub(zero, x[0]);
       case OpCode::kExp: return LibmCall(b, "expf", {x[0]});
       case OpCode::kLog: return LibmCall(b, "logf", {x[0]});
