@@ -1,6 +1,6 @@
 // The reference interpreter: evaluates a module op by op on host tensors; the oracle for every backend.
 //
-// Slow and obvious on purpose, except where training must be practical: matmul is one cblas_sgemm,
+// Slow and obvious on purpose, except where training must be practical: matmul is oneDNN sgemm,
 // conv2d and its gradients are im2col + sgemm. Every kernel is bitwise deterministic (fixed
 // summation orders; parallel loops only where each output element is computed independently).
 #pragma once
