@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/update_module.h"
 #include "dsl/dsl.h"
 #include "ir/builder.h"
 #include "ir/error.h"
@@ -207,38 +208,10 @@ double FusedAdamBytesPerSecond(int64_t n, int* kernels) {
 // The weight-update phase alone (as bench/weight_update builds it: per-replica gradients in,
 // all-reduce or reduce-scatter + all-gather, Adam, assigns) on the JIT at n replicas.
 double UpdatePhaseMs(int n, bool shard, int reps) {
-  std::vector<std::pair<std::string, ir::Shape>> weights;
-  {
-    dsl::Model m("mlp");
-    models::ModelOptions mo;
-    mo.hidden = {1024, 1024};
-    models::DefineMlp(m, mo);
-    ir::Module fwd = m.lower(1);
-    for (ir::ValueId v : fwd.VariablesWithRole(ir::kRoleWeight)) weights.push_back({fwd.at(v).name, fwd.type(v).shape});
-  }
-  ir::Module m;
-  m.name = "adam_update";
-  m.num_replicas = n;
-  ir::Builder b(&m);
-  for (auto& [name, shape] : weights) {
-    ir::ValueId w = b.Variable(name, {ir::DType::kF32, shape}, ir::kRoleWeight, {{"init", std::string("zeros")}});
-    m.gradients.push_back({w, b.Input("grad/" + name, {ir::DType::kF32, shape})});
-  }
-  ir::DataParallelLowering().Run(m);
-  ir::OptimizerLowering(dsl::Adam().lr(1e-3)).Run(m);
-  if (shard) ir::WeightUpdateSharder().Run(m);
-  ir::CollectiveCombiner(4 << 20, 64).Run(m);
+  const bench::WeightShapes weights = bench::MlpWeights({1024, 1024});
+  ir::Module m = bench::UpdateModule(weights, n, shard);
   jit::CpuExecutor exec(m, runtime::InitLogicalState(m));
-  runtime::TensorMap grads;
-  std::mt19937 rng(1);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (auto& [name, shape] : weights) {
-    ir::Shape global = shape;
-    global[0] *= n;
-    runtime::Tensor t(ir::TensorType{ir::DType::kF32, global});
-    for (float& x : t.f32) x = u(rng);
-    grads["grad/" + name] = std::move(t);
-  }
+  runtime::TensorMap grads = bench::RandomGradients(weights, n);
   exec.Step(grads);
   std::vector<double> t;
   for (int i = 0; i < reps; ++i) {

@@ -11,12 +11,9 @@
 #include <cstdio>
 #include <random>
 
+#include "bench/update_module.h"
 #include "dsl/dsl.h"
-#include "ir/builder.h"
-#include "ir/passes/collective_combiner.h"
-#include "ir/passes/data_parallel_lowering.h"
-#include "ir/passes/optimizer_lowering.h"
-#include "ir/passes/weight_update_sharder.h"
+#include "jit/cpu_executor.h"
 #include "models/models.h"
 #include "runtime/executor.h"
 #include "runtime/sharding.h"
@@ -50,22 +47,9 @@ runtime::Tensor Random(ir::Shape s, uint32_t seed) {
   return t;
 }
 
-// Update-only module: weights with the MLP's shapes, per-replica gradients as inputs.
-ir::Module UpdateModule(const std::vector<std::pair<std::string, ir::Shape>>& weights, int n, bool shard) {
-  ir::Module m;
-  m.name = "adam_update";
-  m.num_replicas = n;
-  ir::Builder b(&m);
-  for (auto& [name, shape] : weights) {
-    ir::ValueId w = b.Variable(name, {ir::DType::kF32, shape}, ir::kRoleWeight, {{"init", std::string("zeros")}});
-    ir::ValueId g = b.Input("grad/" + name, {ir::DType::kF32, shape});
-    m.gradients.push_back({w, g});
-  }
-  ir::DataParallelLowering().Run(m);
-  ir::OptimizerLowering(dsl::Adam().lr(1e-3)).Run(m);
-  if (shard) ir::WeightUpdateSharder().Run(m);
-  ir::CollectiveCombiner(4 << 20, 64).Run(m);
-  return m;
+std::unique_ptr<runtime::Executor> MakeExecutor(const std::string& backend, const ir::Module& m) {
+  if (backend == "cpu") return jit::MakeCpuExecutor(m, runtime::InitLogicalState(m));
+  return runtime::MakeInterpreterExecutor(m, runtime::InitLogicalState(m));
 }
 
 }  // namespace
@@ -77,50 +61,38 @@ int main(int argc, char** argv) {
   int64_t batch = 64;
   std::vector<int> ns = {1, 2, 4, 8};
   bool skip_step = false;
+  std::string backend = "interp";
   app.add_option("--hidden", hidden, "MLP widths (default 784-4096-4096-10: 20.0M parameters)")->delimiter(',');
   app.add_option("--reps", reps, "timed steps per measurement (median)");
   app.add_option("--batch", batch, "global batch for the whole step");
   app.add_option("--replicas", ns, "replica counts")->delimiter(',');
   app.add_flag("--skip-step", skip_step, "only time the update phase");
+  app.add_option("--backend", backend, "interp|cpu")->check(CLI::IsMember({"interp", "cpu"}))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   models::ModelOptions mo;
   mo.batch = batch;
   mo.hidden = hidden;
-  std::vector<std::pair<std::string, ir::Shape>> weights;
+  const bench::WeightShapes weights = bench::MlpWeights(hidden);
   int64_t params = 0;
-  {
-    dsl::Model m("mlp");
-    models::DefineMlp(m, mo);
-    ir::Module fwd = m.lower(1);
-    for (ir::ValueId v : fwd.VariablesWithRole(ir::kRoleWeight)) {
-      weights.push_back({fwd.at(v).name, fwd.type(v).shape});
-      params += fwd.type(v).elements();
-    }
-  }
-  std::printf("model: MLP 784-%s-10, %.2fM parameters, Adam, global batch %lld, interpreter backend, %d reps (median)\n",
+  for (auto& [name, shape] : weights) params += ir::NumElements(shape);
+  std::printf("model: MLP 784-%s-10, %.2fM parameters, Adam, global batch %lld, %s backend, %d reps (median)\n",
               [&] { std::string s; for (auto h : hidden) s += (s.empty() ? "" : "-") + std::to_string(h); return s; }().c_str(),
-              params / 1e6, static_cast<long long>(batch), reps);
+              params / 1e6, static_cast<long long>(batch), backend.c_str(), reps);
   std::printf("%3s  %14s %14s %7s   %14s %14s %7s\n", "N", "update repl ms", "update shrd ms", "ratio", "step repl ms",
               "step shrd ms", "ratio");
   for (int n : ns) {
     double upd[2], step[2] = {0, 0};
     for (int shard = 0; shard < 2; ++shard) {
-      ir::Module um = UpdateModule(weights, n, shard);
-      auto exec = runtime::MakeInterpreterExecutor(um, runtime::InitLogicalState(um));
-      runtime::TensorMap grads;
-      uint32_t seed = 1;
-      for (auto& [name, shape] : weights) {
-        ir::Shape global = shape;
-        global[0] *= n;
-        grads["grad/" + name] = Random(global, seed++);
-      }
+      ir::Module um = bench::UpdateModule(weights, n, shard);
+      auto exec = MakeExecutor(backend, um);
+      runtime::TensorMap grads = bench::RandomGradients(weights, n);
       upd[shard] = TimeMedian(reps, [&] { exec->Step(grads); }) * 1e3;
       if (skip_step) continue;
       dsl::Model m("mlp");
       auto loss = models::DefineMlp(m, mo);
       dsl::Program p = m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(n).shard_weight_update(shard).build();
-      auto sexec = runtime::MakeInterpreterExecutor(p.step, runtime::InitLogicalState(p.step));
+      auto sexec = MakeExecutor(backend, p.step);
       runtime::TensorMap in{{"image", Random({batch, 784}, 7)}};
       runtime::Tensor labels(ir::TensorType{ir::DType::kS32, {batch}});
       for (int64_t i = 0; i < batch; ++i) labels.s32[i] = static_cast<int32_t>(i % 10);
