@@ -156,7 +156,7 @@ bool OptimizerLowering::Run(Module& m) {
 
   // 3. Updates.
   for (auto [w, g] : grads) {
-    const std::string& wname = m.at(w).name;
+    const std::string wname = m.at(w).name;  // a copy: slot() appends to m.instrs
     TensorType wt = m.type(w);
     auto slot = [&](const std::string& name, double init = 0.0) {
       Attrs a{{"init", std::string("zeros")}};
