@@ -124,23 +124,8 @@ void Conv2dFilterGrad(const ConvShape& g, const float* x, const float* dy, float
     for (int64_t j = 0; j < size; ++j) dw[j] += parts[group * size + j];
 }
 
-PoolShape PoolShapeOf(const ir::Shape& x, const ir::Instr& in) {
-  ir::IntList k = in.GetInts("window"), s = in.GetInts("stride", k);
-  return {x[0] * x[1], x[2], x[3], k[0], k[1], s[0], s[1], (x[2] - k[0]) / s[0] + 1, (x[3] - k[1]) / s[1] + 1};
-}
 
 namespace {
-inline int64_t ArgMax(const float* v, const PoolShape& g) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < g.kh; ++i)
-    for (int64_t j = 0; j < g.kw; ++j) {
-      const int64_t at = i * g.w + j;
-      const float c = v[at], b = v[best];
-      const int64_t take = (c > b) | ((c != c) & (b == b));
-      best ^= (best ^ at) & -take;
-    }
-  return best;
-}
 template <typename F>
 void ForEachWindow(const PoolShape& g, F f) {
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(g.h * g.w, 1));
@@ -185,7 +170,7 @@ void MaxPool(const PoolShape& g, const float* x, float* y) {
     });
     return;
   }
-  ForEachWindow(g, [&](int64_t i, int64_t o) { y[o] = x[i + ArgMax(x + i, g)]; });
+  ForEachWindow(g, [&](int64_t i, int64_t o) { y[o] = x[i + runtime::WindowArgMax(x + i, g)]; });
 }
 
 void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx) {
@@ -209,7 +194,7 @@ void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx)
     return;
   }
   std::fill(dx, dx + g.planes * g.h * g.w, 0.0f);
-  ForEachWindow(g, [&](int64_t i, int64_t o) { dx[i + ArgMax(x + i, g)] += dy[o]; });
+  ForEachWindow(g, [&](int64_t i, int64_t o) { dx[i + runtime::WindowArgMax(x + i, g)] += dy[o]; });
 }
 
 }  // namespace shardstep::jit

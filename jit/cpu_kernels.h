@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "ir/module.h"
+#include "runtime/pool_window.h"
 
 namespace shardstep::jit {
 
@@ -25,10 +26,8 @@ void Conv2dInputGrad(const ConvShape& g, const float* dy, const float* w, float*
 void Conv2dFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw);
 
 // Max/avg pooling over NCHW planes, the first maximum of a window wins (a NaN counts as a maximum).
-struct PoolShape {
-  int64_t planes, h, w, kh, kw, sh, sw, oh, ow;
-};
-PoolShape PoolShapeOf(const ir::Shape& x, const ir::Instr& in);
+using PoolShape = runtime::PoolWindow;
+inline PoolShape PoolShapeOf(const ir::Shape& x, const ir::Instr& in) { return runtime::PoolWindowOf(x, in); }
 void MaxPool(const PoolShape& g, const float* x, float* y);
 void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx);
 

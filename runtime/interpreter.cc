@@ -9,6 +9,7 @@
 //  - conv2d = im2col + sgemm per image; the filter gradient sums fixed groups of images, then adds the
 //    groups in order.
 #include "runtime/interpreter.h"
+#include "runtime/pool_window.h"
 
 #include <dnnl.h>
 #include <omp.h>
@@ -483,14 +484,8 @@ Tensor Conv2dFilterGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
 
 // ---- Pooling (no padding) ----
 
-struct PoolGeometry {
-  int64_t planes, h, w, kh, kw, sh, sw, oh, ow;
-};
-
-PoolGeometry PoolGeom(const Shape& x, const Instr& in) {
-  IntList k = in.GetInts("window"), s = in.GetInts("stride", k);
-  return {x[0] * x[1], x[2], x[3], k[0], k[1], s[0], s[1], (x[2] - k[0]) / s[0] + 1, (x[3] - k[1]) / s[1] + 1};
-}
+using PoolGeometry = PoolWindow;
+PoolGeometry PoolGeom(const Shape& x, const Instr& in) { return PoolWindowOf(x, in); }
 
 // Calls f(window origin in x, output offset) for every output position; planes run in parallel, the
 // positions of one plane in order.
@@ -504,25 +499,12 @@ void ForEachWindow(const PoolGeometry& g, F f) {
   });
 }
 
-// Offset (from the window origin) of the first maximum of a window; a NaN counts as a maximum.
-// Branch-free (a mask, not a conditional): pooling inputs look random, so a branch would mispredict.
-int64_t ArgMax(const float* v, const PoolGeometry& g) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < g.kh; ++i)
-    for (int64_t j = 0; j < g.kw; ++j) {
-      const int64_t at = i * g.w + j;
-      const float c = v[at], b = v[best];
-      const int64_t take = (c > b) | ((c != c) & (b == b));
-      best ^= (best ^ at) & -take;
-    }
-  return best;
-}
 
 Tensor MaxPool(const Instr& in, const Tensor& x) {
   const PoolGeometry g = PoolGeom(x.shape(), in);
   Tensor y(in.type);
   const float* xs = x.f32.data();
-  ForEachWindow(g, [&](int64_t i, int64_t o) { y.f32[o] = xs[i + ArgMax(xs + i, g)]; });
+  ForEachWindow(g, [&](int64_t i, int64_t o) { y.f32[o] = xs[i + WindowArgMax(xs + i, g)]; });
   return y;
 }
 
@@ -530,7 +512,7 @@ Tensor MaxPoolGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
   const PoolGeometry g = PoolGeom(x.shape(), in);
   Tensor dx(in.type);
   const float* xs = x.f32.data();
-  ForEachWindow(g, [&](int64_t i, int64_t o) { dx.f32[i + ArgMax(xs + i, g)] += dy.f32[o]; });
+  ForEachWindow(g, [&](int64_t i, int64_t o) { dx.f32[i + WindowArgMax(xs + i, g)] += dy.f32[o]; });
   return dx;
 }
 
