@@ -197,15 +197,25 @@ runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int repl
   throw Error(Str("replica ", replica, " is in none of the replica groups"));
 }
 
-const Tensor& LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& in) {
+// The leaf's storage; with parts > 1 the map holds the global batch (dimension 0 scaled by parts)
+// and this returns chunk `part` of it in place.
+const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& in, int parts = 1, int part = 0) {
   auto it = map.find(in.name);
   if (it == map.end()) throw Error(Str(what, " @", in.name, ": missing (expected ", in.type.ToString(), ")"));
   const Tensor& t = it->second;
-  if (t.type != in.type) throw Error(Str(what, " @", in.name, ": expected ", in.type.ToString(), ", got ", t.type.ToString()));
+  ir::TensorType want = in.type;
+  if (parts > 1) {
+    if (want.shape.empty()) throw Error(Str(what, " @", in.name, ": a scalar cannot be split across ", parts, " replicas"));
+    want.shape[0] *= parts;
+  }
+  if (t.type != want) {
+    throw Error(Str(what, " @", in.name, ": expected ", want.ToString(), parts > 1 ? Str(" (", parts, " replicas of ", in.type.ToString(), ")") : "",
+                    ", got ", t.type.ToString()));
+  }
   const size_t held = t.dtype() == DType::kF32 ? t.f32.size() : t.s32.size();
   if (static_cast<int64_t>(held) != t.elements())
     throw Error(Str(what, " @", in.name, ": ", t.type.ToString(), " holds ", held, " values"));
-  return t;
+  return static_cast<const char*>(t.raw()) + part * in.type.bytes();
 }
 
 int32_t ToS32(double v) {
@@ -448,7 +458,7 @@ void CompiledStep::Allocate(Workspace* ws) const {
 }
 
 void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorMap& inputs, int replica,
-                            runtime::Collectives* c, Workspace* ws) const {
+                            runtime::Collectives* c, Workspace* ws, int batch_parts) const {
   const ir::Instr& in = m_.at(v);
   auto P = [&](int i) { return ws->ptr[in.operands[i]]; };
   auto U = [&](int i) { return static_cast<const uint32_t*>(ws->ptr[in.operands[i]]); };
@@ -457,8 +467,8 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
   uint32_t* uo = static_cast<uint32_t*>(out);
   switch (LoweringOf(m_, v)) {
     case Lowering::kLeaf:
-      if (in.op == OpCode::kVariable) ws->ptr[v] = const_cast<void*>(LookupLeaf(variables, "variable", in).raw());
-      else if (in.op == OpCode::kInput) ws->ptr[v] = const_cast<void*>(LookupLeaf(inputs, "input", in).raw());
+      if (in.op == OpCode::kVariable) ws->ptr[v] = const_cast<void*>(LookupLeaf(variables, "variable", in));
+      else if (in.op == OpCode::kInput) ws->ptr[v] = const_cast<void*>(LookupLeaf(inputs, "input", in, batch_parts, replica));
       else if (in.op == OpCode::kReplicaId) static_cast<int32_t*>(out)[0] = replica;
       return;
     case Lowering::kAlias: ws->ptr[v] = P(0); return;
@@ -593,7 +603,7 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
 }
 
 TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replica, runtime::Collectives* c,
-                            Workspace* ws) const {
+                            Workspace* ws, int batch_parts) const {
   if (replica < 0 || replica >= m_.num_replicas)
     throw Error(Str("replica ", replica, " out of range [0,", m_.num_replicas, ")"));
   if (c && c->num_replicas() != m_.num_replicas)
@@ -627,7 +637,7 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
     }
     const ir::Instr& in = m_.at(s.value);
     try {
-      RunInstr(s.value, variables, inputs, replica, c, ws);
+      RunInstr(s.value, variables, inputs, replica, c, ws, batch_parts);
     } catch (const Error& e) {
       if (ir::HasProperty(in.op, ir::kLeaf)) throw;
       throw Error(Str("%", s.value, " = ", ir::OpName(in.op), ": ", e.what()));

@@ -52,9 +52,11 @@ class CompiledStep {
   const std::vector<FusedKernel>& kernels() const { return kernels_; }
 
   // One step as replica `replica`, with the semantics of runtime::RunStep: returns the outputs and
-  // writes each assigned variable's new value into `variables`.
+  // writes each assigned variable's new value into `variables`. With batch_parts > 1, `inputs` hold
+  // the global batch and this replica reads chunk `replica` of batch_parts equal chunks along
+  // dimension 0 in place (no per-step copy).
   runtime::TensorMap Run(runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
-                         runtime::Collectives* collectives, Workspace* ws) const;
+                         runtime::Collectives* collectives, Workspace* ws, int batch_parts = 1) const;
 
  private:
   struct Step {
@@ -64,7 +66,7 @@ class CompiledStep {
   CompiledStep() = default;
   void Plan();
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
-                runtime::Collectives* c, Workspace* ws) const;
+                runtime::Collectives* c, Workspace* ws, int batch_parts) const;
   void Allocate(Workspace* ws) const;
 
   ir::Module m_;

@@ -48,9 +48,8 @@ TensorMap CpuExecutor::Step(const TensorMap& global_inputs) {
       outputs[r] = step_->Run(s_->states[r], global_inputs, r, nullptr, &s_->workspaces[r]);
       return;
     }
-    TensorMap inputs;
-    for (auto& [name, t] : global_inputs) inputs[name] = runtime::SliceBatch(t, n, r);
-    outputs[r] = step_->Run(s_->states[r], inputs, r, &s_->collectives, &s_->workspaces[r]);
+    // Each replica reads its chunk of the global batch in place.
+    outputs[r] = step_->Run(s_->states[r], global_inputs, r, &s_->collectives, &s_->workspaces[r], n);
   };
   if (n == 1) body(0);  // no thread hop for one replica
   else runtime::RunReplicas(n, &s_->collectives, body);
