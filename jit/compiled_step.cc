@@ -198,7 +198,8 @@ runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int repl
 }
 
 // The leaf's storage; with parts > 1 the map holds the global batch (dimension 0 scaled by parts)
-// and this returns chunk `part` of it in place.
+// and this returns chunk `part` of it in place (with parts == 1 `part` is ignored: the map holds
+// this replica's own inputs).
 const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& in, int parts = 1, int part = 0) {
   auto it = map.find(in.name);
   if (it == map.end()) throw Error(Str(what, " @", in.name, ": missing (expected ", in.type.ToString(), ")"));
@@ -215,7 +216,7 @@ const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& 
   const size_t held = t.dtype() == DType::kF32 ? t.f32.size() : t.s32.size();
   if (static_cast<int64_t>(held) != t.elements())
     throw Error(Str(what, " @", in.name, ": ", t.type.ToString(), " holds ", held, " values"));
-  return static_cast<const char*>(t.raw()) + part * in.type.bytes();
+  return static_cast<const char*>(t.raw()) + (parts > 1 ? part * in.type.bytes() : 0);
 }
 
 int32_t ToS32(double v) {

@@ -72,6 +72,9 @@ TensorMap CpuExecutor::Forward(const ir::Module& forward, const TensorMap& input
   return compiled->Run(state, inputs, 0, nullptr, &s_->forward_ws);
 }
 
+double CpuExecutor::CommunicationSeconds() const { return s_->collectives.busy_seconds(); }
+void CpuExecutor::SetPhaseTiming(bool on) { s_->collectives.set_phase_timing(on); }
+
 TensorMap CpuExecutor::LogicalState() const { return runtime::LogicalStateFrom(step_->module(), s_->states); }
 
 void CpuExecutor::LoadLogicalState(const TensorMap& state) {

@@ -21,6 +21,8 @@ class CpuExecutor : public runtime::Executor {
   runtime::TensorMap Forward(const ir::Module& forward, const runtime::TensorMap& inputs) override;
   runtime::TensorMap LogicalState() const override;
   void LoadLogicalState(const runtime::TensorMap& state) override;
+  double CommunicationSeconds() const override;
+  void SetPhaseTiming(bool on) override;
 
   // How the training step was obtained (compiled, or from the disk / memory cache) and how long it took.
   const CompileInfo& compile_info() const { return step_->info(); }

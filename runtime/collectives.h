@@ -9,6 +9,7 @@
 //  - A failure in any replica (Abort) makes every pending and future call throw instead of hanging.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -28,7 +29,13 @@ class Collectives {
 
   // data[n] in place on every member.
   virtual void AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n, Reduction op) = 0;
-  // in[n * |group|] -> out[n]: member at group position p gets the reduced chunk p.
+  // in[n] -> out[n] (may be the same buffer); saves the caller's copy into `out` first.
+  virtual void AllReduce(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n, Reduction op) {
+    if (in != out) std::copy_n(in, n, out);
+    AllReduce(replica, group, out, n, op);
+  }
+  // in[n * |group|] -> out[n]: member at group position p gets the reduced chunk p. For this and
+  // AllGather, `in` and `out` must not overlap.
   virtual void ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n,
                              Reduction op) = 0;
   // in[n] -> out[n * |group|]: chunk p is the input of the member at group position p.

@@ -70,6 +70,8 @@ class InterpreterExecutor : public Executor {
   void LoadLogicalState(const TensorMap& state) override {
     for (int r = 0; r < n_; ++r) states_[r] = ReplicaState(step_, state, r);
   }
+  double CommunicationSeconds() const override { return collectives_.busy_seconds(); }
+  void SetPhaseTiming(bool on) override { collectives_.set_phase_timing(on); }
 
  private:
   ir::Module step_;

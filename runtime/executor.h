@@ -22,6 +22,13 @@ class Executor {
   // The logical state: every variable unsharded and unpadded, as a checkpoint stores it.
   virtual TensorMap LogicalState() const = 0;
   virtual void LoadLogicalState(const TensorMap& state) = 0;
+  // Wall seconds spent exchanging data in collectives since construction (from a collective's last
+  // arrival to its last exit, so waiting for a slower replica is not counted); 0 for one replica.
+  // Step time minus its increase is the step's computation.
+  virtual double CommunicationSeconds() const { return 0; }
+  // Replicas leave every collective together, so communication and computation do not overlap and
+  // step time = communication + computation exactly (for benchmarks; one more rendezvous each).
+  virtual void SetPhaseTiming(bool on) {}
 };
 
 // The reference interpreter, with `step.num_replicas` replica threads exchanging through

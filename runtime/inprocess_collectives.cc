@@ -2,6 +2,7 @@
 #include "runtime/inprocess_collectives.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <set>
@@ -42,6 +43,12 @@ std::string GroupString(const ReplicaGroup& group) {
 
 inline float MaxOf(float acc, float x) { return (x > acc || std::isnan(x)) ? x : acc; }
 
+void CheckDisjoint(const char* what, const float* in, int64_t n_in, const float* out, int64_t n_out) {
+  if (n_in == 0 || n_out == 0) return;
+  const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
+  if (a < b + n_out * sizeof(float) && b < a + n_in * sizeof(float)) throw Error(Str(what, ": the input and output buffers overlap"));
+}
+
 }  // namespace
 
 struct InProcessCollectives::Slot {
@@ -76,11 +83,10 @@ struct InProcessCollectives::Group {
       }
     }
     const Slot& s = slots[0];
-    const int64_t need = s.kind == Kind::kAllReduce ? s.n
-                         : (s.kind == Kind::kReduceScatter || s.kind == Kind::kAllGather) ? s.n * size()
-                                                                                            : 0;
+    const int64_t need = s.kind == Kind::kAllReduce ? s.n : 0;
     if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
     reading = s.kind == Kind::kBarrier ? 0 : size();
+    started = std::chrono::steady_clock::now();
     return "";
   }
 
@@ -109,6 +115,11 @@ struct InProcessCollectives::Group {
   int reading = 0;           // members in the work phase, possibly reading other members' buffers
   std::vector<Slot> slots;   // one per position, written under mu before the publish rendezvous
   std::vector<float> scratch;
+  std::chrono::steady_clock::time_point started;  // the last arrival of the current collective
+  std::atomic<int> leaving{0};
+  int left = 0;                  // phase timing: members that left, under mu
+  uint64_t left_generation = 0;  // phase timing: bumped when the last member leaves
+  std::atomic<int64_t> busy_ns{0};
 };
 
 InProcessCollectives::InProcessCollectives(int num_replicas) : num_replicas_(num_replicas) {
@@ -175,6 +186,38 @@ void InProcessCollectives::Sync(Group& g, int position, const Slot* publish) {
   ThrowAborted();
 }
 
+void InProcessCollectives::Leave(Group& g) {
+  auto record = [&] {
+    g.busy_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - g.started).count();
+    ++calls_;
+  };
+  if (phase_timing_) {  // everyone leaves together
+    std::unique_lock lk(g.mu);
+    if (++g.left == g.size()) {
+      g.left = 0;
+      record();
+      ++g.left_generation;
+      g.cv.notify_all();
+    } else {
+      const uint64_t gen = g.left_generation;
+      g.cv.wait(lk, [&] { return g.left_generation != gen || aborted_; });
+    }
+    return;
+  }
+  // The next collective's rendezvous needs every member, including this last one, so nobody can
+  // touch `leaving` or `started` again before the reset below.
+  if (g.leaving.fetch_add(1) + 1 != g.size()) return;
+  g.leaving.store(0);
+  record();
+}
+
+double InProcessCollectives::busy_seconds() const {
+  std::lock_guard lk(groups_mu_);
+  int64_t most = 0;
+  for (const auto& [members, g] : groups_) most = std::max<int64_t>(most, g->busy_ns.load());
+  return most * 1e-9;
+}
+
 void InProcessCollectives::Abort(const std::string& why) {
   {
     std::lock_guard lk(abort_mu_);
@@ -191,9 +234,14 @@ void InProcessCollectives::Abort(const std::string& why) {
 
 void InProcessCollectives::AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n,
                                      Reduction op) {
+  AllReduce(replica, group, data, data, n, op);
+}
+
+void InProcessCollectives::AllReduce(int replica, const ReplicaGroup& group, const float* in, float* data, int64_t n,
+                                     Reduction op) {
   int p;
   Group& g = Enter(replica, group, n, &p);
-  const Slot slot{Kind::kAllReduce, n, op, 0, data};
+  const Slot slot{Kind::kAllReduce, n, op, 0, in};
   Sync(g, p, &slot);
   // Balanced chunks: the first n % size members take one extra element.
   const int64_t base = n / g.size(), extra = n % g.size();
@@ -202,28 +250,31 @@ void InProcessCollectives::AllReduce(int replica, const ReplicaGroup& group, flo
   g.Fold(lo, count, op, g.scratch.data() + lo);
   Sync(g, p, nullptr);
   std::copy_n(g.scratch.data(), n, data);
+  Leave(g);
 }
 
 void InProcessCollectives::ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out,
                                          int64_t n, Reduction op) {
   int p;
   Group& g = Enter(replica, group, n, &p);
+  CheckDisjoint("ReduceScatter", in, n * g.size(), out, n);
   const Slot slot{Kind::kReduceScatter, n, op, 0, in};
   Sync(g, p, &slot);
-  g.Fold(p * n, n, op, g.scratch.data() + p * n);
+  g.Fold(p * n, n, op, out);
   Sync(g, p, nullptr);
-  std::copy_n(g.scratch.data() + p * n, n, out);
+  Leave(g);
 }
 
 void InProcessCollectives::AllGather(int replica, const ReplicaGroup& group, const float* in, float* out,
                                      int64_t n) {
   int p;
   Group& g = Enter(replica, group, n, &p);
+  CheckDisjoint("AllGather", in, n, out, n * g.size());
   const Slot slot{Kind::kAllGather, n, Reduction::kSum, 0, in};
   Sync(g, p, &slot);
-  std::copy_n(in, n, g.scratch.data() + p * n);
+  for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].in, n, out + q * n);
   Sync(g, p, nullptr);
-  std::copy_n(g.scratch.data(), n * g.size(), out);
+  Leave(g);
 }
 
 void InProcessCollectives::Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) {
@@ -236,6 +287,7 @@ void InProcessCollectives::Broadcast(int replica, const ReplicaGroup& group, flo
   Sync(g, p, &slot);
   if (p != root) std::copy_n(g.slots[root].in, n, data);  // root keeps its buffer until the rendezvous
   Sync(g, p, nullptr);
+  Leave(g);
 }
 
 void InProcessCollectives::Barrier(int replica, const ReplicaGroup& group) {

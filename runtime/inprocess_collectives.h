@@ -4,12 +4,24 @@
 // never spinning, so 64 replica threads on 2 cores are fine):
 //   1. publish: each member posts its buffer pointers; the last arrival checks that all members called
 //      the same collective with the same size, and sizes the group's scratch buffer;
-//   2. work: member p reduces its own 1/N chunk, reading every member's input buffer directly, into
-//      scratch (the shared-memory equivalent of a ring reduce-scatter);
-//   3. done: after a second rendezvous each member copies what it needs out of scratch (the gather).
+//   2. work: every member reads the other members' buffers directly. ReduceScatter: member p folds
+//      its own chunk straight into its output; AllGather: member p copies every member's input
+//      into its output; AllReduce: member p folds its chunk into the group's scratch buffer;
+//   3. done: a second rendezvous, after which nobody reads another member's buffers (AllReduce
+//      members then copy the whole result out of scratch).
+// Every byte crosses memory once per member: no staging copies for ReduceScatter and AllGather,
+// which the sharded weight update uses for its largest tensors.
 // Element j is always folded in group order (position 0 first) by one function, so AllReduce has
 // exactly the bits of ReduceScatter + AllGather and the bits never depend on thread timing. "max"
-// propagates NaN. Inputs and outputs may alias (all results go through scratch).
+// propagates NaN. AllReduce works in place; the input and output of ReduceScatter and AllGather must
+// not overlap (an overlap is reported as an error).
+//
+// Communication time: for each group, the wall time from the last member's arrival at a collective
+// (when the data exchange can start) to the last member's exit is summed; time spent waiting for a
+// slower member is not communication and is not counted. A member that leaves early may already
+// compute while others still copy; with set_phase_timing(true) members leave every collective
+// together, so communication and computation never overlap and a step's wall time splits exactly
+// into the two (benchmarks use this; it costs one more rendezvous per collective).
 //
 // Disjoint replica groups run concurrently: each group (keyed by its member list, in order) has its own
 // rendezvous state. After Abort(why) every pending and future call throws shardstep::Error(why); a
@@ -34,11 +46,18 @@ class InProcessCollectives final : public Collectives {
   int num_replicas() const override { return num_replicas_; }
 
   void AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n, Reduction op) override;
+  void AllReduce(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n, Reduction op) override;
   void ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n,
                      Reduction op) override;
   void AllGather(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n) override;
   void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) override;
   void Barrier(int replica, const ReplicaGroup& group) override;
+
+  // Wall seconds of communication since construction (see above): the largest sum over the replica
+  // groups (disjoint groups overlap in time, so their sums are not added).
+  double busy_seconds() const;
+  int64_t calls() const { return calls_.load(); }
+  void set_phase_timing(bool on) { phase_timing_ = on; }
 
   // The first Abort wins; later calls keep its message.
   void Abort(const std::string& why) override;
@@ -53,10 +72,14 @@ class InProcessCollectives final : public Collectives {
   // Rendezvous of all members. `publish` != nullptr: post the caller's call and open the work phase;
   // nullptr: the caller has finished reading other members' buffers.
   void Sync(Group& g, int position, const Slot* publish);
+  // The caller has finished the collective; the last member to leave closes its time interval.
+  void Leave(Group& g);
   [[noreturn]] void ThrowAborted();
 
   const int num_replicas_;
-  std::mutex groups_mu_;
+  mutable std::mutex groups_mu_;
+  std::atomic<int64_t> calls_{0};
+  std::atomic<bool> phase_timing_{false};
   std::map<ReplicaGroup, std::unique_ptr<Group>> groups_;
   std::mutex abort_mu_;
   std::atomic<bool> aborted_{false};

@@ -98,16 +98,18 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
   for (int64_t step = 1; step <= o.steps; ++step) {
     TensorMap in;
     it.Next(&in["image"], &in["label"]);
+    const double comm0 = exec.CommunicationSeconds();
     auto t0 = Clock::now();
     TensorMap out = exec.Step(in);
     auto t1 = Clock::now();
+    const double comm_ms = (exec.CommunicationSeconds() - comm0) * 1e3;
     double loss = out.at("loss").f32[0];
     result.losses.push_back(loss);
     if (!std::isfinite(loss)) throw Error(Str("loss became ", loss, " at step ", step, " (learning rate too high?)"));
     ++window_steps;
     if (metrics)
       metrics << "{\"step\":" << step << ",\"loss\":" << Num(loss) << ",\"step_ms\":" << Num(Seconds(t0, t1) * 1e3)
-              << ",\"epoch\":" << it.epoch() << "}\n";
+              << ",\"comm_ms\":" << Num(comm_ms) << ",\"epoch\":" << it.epoch() << "}\n";
     if (step % o.log_every == 0 || step == o.steps) {
       auto now = Clock::now();
       double rate = window_steps * o.batch / Seconds(window_start, now);

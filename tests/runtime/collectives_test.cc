@@ -407,7 +407,62 @@ TEST_CASE("InProcessCollectives reports misuse instead of hanging", "[collective
     CHECK_THROWS_WITH(c.Broadcast(0, {0}, &x, 1, 1), Catch::Contains("root position 1"));
     CHECK_THROWS_WITH(c.AllReduce(0, {0}, &x, -1, Reduction::kSum), Catch::Contains("negative element count"));
     CHECK_THROWS_AS(InProcessCollectives(0), Error);
+    std::vector<float> buf(8);
+    CHECK_THROWS_WITH(c.AllGather(0, {0, 1}, buf.data() + 2, buf.data(), 2),
+                      "AllGather: the input and output buffers overlap");
+    CHECK_THROWS_WITH(c.ReduceScatter(0, {0, 1}, buf.data(), buf.data() + 3, 2, Reduction::kSum),
+                      "ReduceScatter: the input and output buffers overlap");
     CHECK_FALSE(c.aborted());  // argument errors do not abort the object
+  }
+}
+
+TEST_CASE("InProcessCollectives: out-of-place all-reduce has the in-place bits and leaves the input alone",
+          "[collectives]") {
+  const int n = 5;
+  const int64_t m = 1003;
+  Buffers in(n), inplace(n), out(n, std::vector<float>(m));
+  for (int r = 0; r < n; ++r) in[r] = inplace[r] = RandomData(50 + r, m);
+  const Buffers original = in;
+  InProcessCollectives c(n);
+  RunReplicas(n, &c, [&](int r) {
+    c.AllReduce(r, Iota(0, n), in[r].data(), out[r].data(), m, Reduction::kMean);
+    c.AllReduce(r, Iota(0, n), inplace[r].data(), m, Reduction::kMean);
+  });
+  for (int r = 0; r < n; ++r) {
+    CHECK(BitDiff(out[r], inplace[r]) == "");
+    CHECK(BitDiff(in[r], original[r]) == "");
+  }
+}
+
+TEST_CASE("InProcessCollectives counts communication time, and with phase timing members leave together",
+          "[collectives]") {
+  const int n = 4;
+  const int64_t m = 1 << 20;
+  for (bool phase : {false, true}) {
+    InProcessCollectives c(n);
+    c.set_phase_timing(phase);
+    Buffers data(n, std::vector<float>(m, 1.0f)), shard(n, std::vector<float>(m / n)), full(n, std::vector<float>(m));
+    std::vector<int> complete_peers(n, 0);
+    const auto t0 = Clock::now();
+    RunReplicas(n, &c, [&](int r) {
+      // Replica r arrives r * 20 ms late: the wait is not communication.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20 * r));
+      c.ReduceScatter(r, Iota(0, n), data[r].data(), shard[r].data(), m / n, Reduction::kSum);
+      if (phase) {  // everyone has finished the reduce-scatter: other members' outputs are complete
+        for (int q = 0; q < n; ++q)
+          complete_peers[r] += std::all_of(shard[q].begin(), shard[q].end(), [&](float x) { return x == n; });
+      }
+      c.AllGather(r, Iota(0, n), shard[r].data(), full[r].data(), m / n);
+      c.AllReduce(r, Iota(0, n), data[r].data(), m, Reduction::kSum);
+    });
+    const double wall = SecondsSince(t0);
+    CHECK(c.calls() == 3);
+    CHECK(c.busy_seconds() > 0);
+    CHECK(c.busy_seconds() < wall - 0.05);  // the 60 ms of staggered arrival is not counted
+    for (int r = 0; r < n; ++r) CHECK(full[r][0] == static_cast<float>(n));
+    if (phase) {
+      for (int r = 0; r < n; ++r) CHECK(complete_peers[r] == n);
+    }
   }
 }
 
