@@ -6,29 +6,30 @@
 //     are the members read outside the group (by another op, an assign or an output).
 //  2. The schedule is a topological order of kernels and the remaining instructions (a kernel runs
 //     when all its inputs exist; the fuser guarantees the condensed graph is acyclic).
-//  3. Every value that is materialised gets one buffer per replica (Workspace), allocated at the
-//     first step and reused: a step allocates nothing except on the reference path. Reshape aliases
-//     its operand; variables and inputs are read in place. An assigned value is swapped into the
-//     variable (no copy) when nothing else holds it.
+//  3. The driver: the schedule as one JIT'd function in the kernels' object (jit/driver_emitter.h),
+//     calling the entry points of jit/step_runtime.h with constant arguments.
+//  4. Buffers (jit/buffer_plan.h): every materialised value gets a place in one arena per replica
+//     (Workspace), allocated at the first step and reused; values live from their step to their last
+//     reader (through reshape aliases; outputs and assigned values to the end of the step), and
+//     values not live at once share bytes. A value swapped into its variable at the end of the step
+//     (assigned once, not an output) keeps a tensor of its own, since the variable takes its storage.
+//     Variables and inputs are read in place; reshape aliases its operand. A step allocates nothing
+//     except on the reference path (and small per-op index vectors and the returned outputs).
 // Lowering of the non-fused ops: matmul -> oneDNN sgemm; broadcast, transpose, slice, pad, concat
 // -> strided copies; reductions and gather -> native loops with the interpreter's summation order;
 // conv2d and its gradients -> im2col + oneDNN sgemm per image, max pooling -> native loops
-// (jit/cpu_kernels.h); collectives -> the runtime Collectives; the rest (avg pooling, one-hot,
-// scatter-add, s32 division) -> the interpreter's own kernel on a one-op module, so every op of the
-// table runs.
+// (jit/cpu_kernels.h); one-hot -> a native loop; collectives -> the runtime Collectives; the rest
+// (avg pooling, scatter-add, s32 division) -> the interpreter's own kernel on a one-op module, so
+// every op of the table runs.
 #include "jit/compiled_step.h"
 
 #include <llvm/IR/LLVMContext.h>
 #include <llvm/IR/Module.h>
 #include <llvm/Support/raw_ostream.h>
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -39,6 +40,7 @@
 #include "ir/passes/elementwise_fuser.h"
 #include "ir/printer.h"
 #include "ir/shape_inference.h"
+#include "jit/buffer_plan.h"
 #include "jit/cpu_kernels.h"
 #include "jit/dnnl_kernels.h"
 
@@ -55,8 +57,8 @@ using Strides = std::vector<int64_t>;
 namespace {
 
 // Bump when the emitted code changes, so stale cache entries are never used.
-constexpr const char* kEmitterVersion = "shardstep-jit-5";
-constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk of a fused loop
+constexpr const char* kEmitterVersion = "shardstep-jit-6";
+constexpr int64_t kArenaAlign = 64;
 
 int FusionGroup(const ir::Instr& in) { return static_cast<int>(in.GetInt(ir::kFusionAttr, -1)); }
 
@@ -198,8 +200,7 @@ runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int repl
 }
 
 // The leaf's storage; with parts > 1 the map holds the global batch (dimension 0 scaled by parts)
-// and this returns chunk `part` of it in place (with parts == 1 `part` is ignored: the map holds
-// this replica's own inputs).
+// and this returns chunk `part` of it in place.
 const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& in, int parts = 1, int part = 0) {
   auto it = map.find(in.name);
   if (it == map.end()) throw Error(Str(what, " @", in.name, ": missing (expected ", in.type.ToString(), ")"));
@@ -224,28 +225,6 @@ int32_t ToS32(double v) {
   if (v >= 2147483647.0) return std::numeric_limits<int32_t>::max();
   if (v <= -2147483648.0) return std::numeric_limits<int32_t>::min();
   return static_cast<int32_t>(v);
-}
-
-// SHARDSTEP_JIT_PROFILE=1: wall time per op kind (and for fused loops), printed at exit.
-struct Profile {
-  std::mutex mu;
-  std::map<std::string, std::pair<double, int64_t>> time;
-  ~Profile() {
-    if (time.empty()) return;
-    std::fprintf(stderr, "jit profile (wall seconds, calls):\n");
-    for (auto& [k, v] : time) std::fprintf(stderr, "  %-22s %9.4f %8lld\n", k.c_str(), v.first, static_cast<long long>(v.second));
-  }
-  void Add(const std::string& k, double s) {
-    std::lock_guard<std::mutex> l(mu);
-    auto& e = time[k];
-    e.first += s;
-    ++e.second;
-  }
-};
-Profile* Profiler() {
-  static const bool on = std::getenv("SHARDSTEP_JIT_PROFILE") && std::string(std::getenv("SHARDSTEP_JIT_PROFILE")) == "1";
-  static Profile p;
-  return on ? &p : nullptr;
 }
 
 std::mutex g_cache_mu;
@@ -275,6 +254,7 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
     case OpCode::kReduceMax:
     case OpCode::kReduceMean:
     case OpCode::kGather:
+    case OpCode::kOneHot:
     case OpCode::kConv2d:
     case OpCode::kConv2dInputGrad:
     case OpCode::kConv2dFilterGrad:
@@ -400,6 +380,97 @@ void CompiledStep::Plan() {
     const ValueId out = r.Append(op);
     r.outputs.push_back({"y", out});
   }
+
+  // 4. What the driver does at each step; constants need nothing at run time (filled at allocation).
+  for (const Step& s : schedule_) {
+    DriverStep d;
+    if (s.kernel >= 0) {
+      d.kind = DriverStep::Kind::kKernel;
+      d.kernel = s.kernel;
+      driver_steps_.push_back(d);
+      continue;
+    }
+    const ir::Instr& in = m_.at(s.value);
+    d.value = s.value;
+    switch (LoweringOf(m_, s.value)) {
+      case Lowering::kLeaf:
+        if (in.op == OpCode::kConstant) continue;
+        break;
+      case Lowering::kAlias:
+        d.kind = DriverStep::Kind::kAlias;
+        d.source = in.operands[0];
+        break;
+      case Lowering::kMatmul: {
+        const Shape& a = m_.type(in.operands[0]).shape;
+        d.kind = DriverStep::Kind::kSgemm;
+        d.ta = in.GetInt("transpose_a", 0) != 0;
+        d.tb = in.GetInt("transpose_b", 0) != 0;
+        d.m = in.type.shape[0];
+        d.n = in.type.shape[1];
+        d.k = d.ta ? a[0] : a[1];
+        d.a = in.operands[0];
+        d.lda = a[1];
+        d.b = in.operands[1];
+        d.ldb = m_.type(in.operands[1]).shape[1];
+        break;
+      }
+      case Lowering::kCollective: d.kind = DriverStep::Kind::kCollective; break;
+      case Lowering::kFused:  // RunInstr reports the broken invariant
+      case Lowering::kNative:
+      case Lowering::kReference: break;
+    }
+    driver_steps_.push_back(d);
+  }
+  PlanBuffers();
+}
+
+void CompiledStep::PlanBuffers() {
+  const int n = m_.size(), end = static_cast<int>(schedule_.size());
+  // Storage is the alias root's: readers of a reshape keep its operand alive.
+  std::vector<ValueId> root(n);
+  for (ValueId v = 0; v < n; ++v) root[v] = LoweringOf(m_, v) == Lowering::kAlias ? root[m_.at(v).operands[0]] : v;
+  std::vector<int> first(n, 0), last(n, -1);
+  auto read = [&](ValueId v, int at) { last[root[v]] = std::max(last[root[v]], at); };
+  for (int p = 0; p < end; ++p) {
+    const Step& s = schedule_[p];
+    if (s.kernel >= 0) {
+      for (ValueId v : kernels_[s.kernel].outputs) first[v] = p;
+      for (ValueId v : kernels_[s.kernel].inputs) read(v, p);
+    } else {
+      first[s.value] = p;
+      for (ValueId o : m_.at(s.value).operands) read(o, p);
+    }
+  }
+  for (const auto& [name, v] : m_.outputs) read(v, end);
+  for (const auto& [var, v] : m_.assigns) read(v, end);
+
+  separate_.assign(n, 0);
+  offset_.assign(n, -1);
+  std::vector<BufferRequest> requests(n);
+  info_.swapped_bytes = 0;
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (!needs_buffer_[v] || in.op == OpCode::kVariable || in.op == OpCode::kInput) continue;
+    if (LoweringOf(m_, v) == Lowering::kAlias) continue;
+    if (in.op == OpCode::kConstant) {
+      requests[v] = {in.type.bytes(), 0, end};  // filled once: never shared
+    } else if (swappable_[v]) {
+      separate_[v] = 1;
+      info_.swapped_bytes += in.type.bytes();
+    } else {
+      requests[v] = {in.type.bytes(), first[v], std::max(first[v], last[v])};
+    }
+  }
+  const BufferPlan plan = jit::PlanBuffers(requests, kArenaAlign);
+  offset_ = plan.offset;
+  info_.arena_bytes = plan.arena_bytes;
+  info_.buffer_bytes = plan.buffer_bytes;
+}
+
+std::unique_ptr<llvm::Module> CompiledStep::Emit(llvm::LLVMContext& ctx, const std::string& name) const {
+  auto mod = EmitKernels(m_, kernels_, ctx, name);
+  EmitStepDriver(*mod, kernels_, driver_steps_, kStepDriverName);
+  return mod;
 }
 
 std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& module, const JitOptions& options) {
@@ -419,41 +490,49 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   step->m_ = std::move(m);
   step->Plan();
   step->info_.source = "compiled";
-  if (!step->kernels_.empty()) {
-    step->jit_ = JitCompiler::Create(options);
-    step->info_.key = HashHex(text + "|" + kEmitterVersion + "|" + step->jit_->target_key());
-    if (step->jit_->AddCachedObject(step->info_.key)) {
-      step->info_.source = "disk cache";
-    } else {
-      step->info_.rejected_corrupt = step->jit_->cache_rejects() > 0;
-      auto ctx = std::make_unique<llvm::LLVMContext>();
-      auto mod = EmitKernels(step->m_, step->kernels_, *ctx, step->info_.key);
-      step->jit_->AddModule(std::move(mod), std::move(ctx), step->info_.key);
-    }
-    for (const FusedKernel& k : step->kernels_)
-      step->fns_.push_back(reinterpret_cast<KernelFn>(step->jit_->Lookup(k.name)));
+  step->jit_ = JitCompiler::Create(options);
+  step->jit_->DefineSymbols(StepRuntimeSymbols());
+  step->info_.key = HashHex(text + "|" + kEmitterVersion + "|" + step->jit_->target_key());
+  if (step->jit_->AddCachedObject(step->info_.key)) {
+    step->info_.source = "disk cache";
+  } else {
+    step->info_.rejected_corrupt = step->jit_->cache_rejects() > 0;
+    auto ctx = std::make_unique<llvm::LLVMContext>();
+    auto mod = step->Emit(*ctx, step->info_.key);
+    step->jit_->AddModule(std::move(mod), std::move(ctx), step->info_.key);
   }
+  step->driver_ = reinterpret_cast<StepDriverFn>(step->jit_->Lookup(kStepDriverName));
   step->info_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   MemoryCache()[mem_key] = step;
   return step;
 }
 
+namespace {
+char* ArenaBase(Workspace* ws) {
+  const uintptr_t p = reinterpret_cast<uintptr_t>(ws->arena.data());
+  return ws->arena.data() + ((kArenaAlign - p % kArenaAlign) % kArenaAlign);
+}
+}  // namespace
+
 void CompiledStep::Allocate(Workspace* ws) const {
   const int n = m_.size();
   ws->owner = this;
+  ws->arena.assign(info_.arena_bytes + kArenaAlign, 0);
   ws->owned.assign(n, Tensor());
   ws->ptr.assign(n, nullptr);
   ws->is_owned.assign(n, 0);
+  char* base = ArenaBase(ws);
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
-    if (!needs_buffer_[v] || in.op == OpCode::kVariable || in.op == OpCode::kInput) continue;
-    if (LoweringOf(m_, v) == Lowering::kAlias) continue;
-    ws->owned[v] = Tensor(in.type);
-    ws->is_owned[v] = 1;
-    if (in.op == OpCode::kConstant) {
+    if (separate_[v]) {
+      ws->owned[v] = Tensor(in.type);
+      ws->is_owned[v] = 1;
+    }
+    if (in.op == OpCode::kConstant && offset_[v] >= 0) {
       const double c = in.GetFloat("value");
-      if (in.type.dtype == DType::kF32) std::fill(ws->owned[v].f32.begin(), ws->owned[v].f32.end(), static_cast<float>(c));
-      else std::fill(ws->owned[v].s32.begin(), ws->owned[v].s32.end(), ToS32(c));
+      const int64_t count = in.type.elements();
+      if (in.type.dtype == DType::kF32) std::fill_n(reinterpret_cast<float*>(base + offset_[v]), count, static_cast<float>(c));
+      else std::fill_n(reinterpret_cast<int32_t*>(base + offset_[v]), count, ToS32(c));
     }
   }
 }
@@ -491,8 +570,7 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       float* o = static_cast<float*>(out);
       const float* x = static_cast<const float*>(P(0));
       if (in.op == OpCode::kAllReduce) {
-        std::memcpy(o, x, nout * 4);
-        c->AllReduce(replica, group, o, nout, ReductionOf(in));
+        c->AllReduce(replica, group, x, o, nout, ReductionOf(in));
       } else if (in.op == OpCode::kReduceScatter) {
         c->ReduceScatter(replica, group, x, o, nout, ReductionOf(in));
       } else {
@@ -577,6 +655,17 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       }
       return;
     }
+    case OpCode::kOneHot: {  // the interpreter's rule, without its temporaries (every training step has one)
+      const int64_t depth = in.GetInt("depth"), count = m_.type(in.operands[0]).elements();
+      const int32_t* labels = static_cast<const int32_t*>(P(0));
+      float* o = static_cast<float*>(out);
+      std::memset(out, 0, in.type.bytes());
+      for (int64_t i = 0; i < count; ++i) {
+        if (labels[i] < 0 || labels[i] >= depth) throw Error(Str("label ", labels[i], " out of range [0,", depth, ")"));
+        o[i * depth + labels[i]] = 1;
+      }
+      return;
+    }
     case OpCode::kConv2d:
     case OpCode::kConv2dInputGrad:
     case OpCode::kConv2dFilterGrad: {
@@ -611,40 +700,22 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
     throw Error(Str("module '", m_.name, "' runs on ", m_.num_replicas, " replicas but the collectives connect ",
                     c->num_replicas()));
   if (ws->owner != this) Allocate(ws);
-  for (ValueId v = 0; v < m_.size(); ++v)
-    if (ws->is_owned[v]) ws->ptr[v] = ws->owned[v].raw();
-  Profile* prof = Profiler();
-  for (const Step& s : schedule_) {
-    const auto t0 = prof ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
-    auto account = [&](const std::string& what) {
-      if (prof) prof->Add(what, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    };
-    if (s.kernel >= 0) {
-      const FusedKernel& k = kernels_[s.kernel];
-      ws->bufs.clear();
-      for (ValueId v : k.inputs) ws->bufs.push_back(ws->ptr[v]);
-      for (ValueId v : k.outputs) ws->bufs.push_back(ws->ptr[v]);
-      const KernelFn fn = fns_[s.kernel];
-      void* const* bufs = ws->bufs.data();
-      const int64_t n = ir::NumElements(k.shape);
-      if (n >= 2 * kGrain) {
-        tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, kGrain),
-                          [&](const tbb::blocked_range<int64_t>& r) { fn(bufs, r.begin(), r.end()); });
-      } else {
-        fn(bufs, 0, n);
-      }
-      account("fused loops");
-      continue;
-    }
-    const ir::Instr& in = m_.at(s.value);
-    try {
-      RunInstr(s.value, variables, inputs, replica, c, ws, batch_parts);
-    } catch (const Error& e) {
-      if (ir::HasProperty(in.op, ir::kLeaf)) throw;
-      throw Error(Str("%", s.value, " = ", ir::OpName(in.op), ": ", e.what()));
-    }
-    account(ir::OpName(in.op));
+  // The slot table: arena and own storage (a swap at the end of the last step moved the latter).
+  char* base = ArenaBase(ws);
+  for (ValueId v = 0; v < m_.size(); ++v) {
+    if (offset_[v] >= 0) ws->ptr[v] = base + offset_[v];
+    else if (ws->is_owned[v]) ws->ptr[v] = ws->owned[v].raw();
   }
+  StepContext ctx;
+  ctx.slots = ws->ptr.data();
+  ctx.step = this;
+  ctx.variables = &variables;
+  ctx.inputs = &inputs;
+  ctx.replica = replica;
+  ctx.collectives = c;
+  ctx.ws = ws;
+  ctx.batch_parts = batch_parts;
+  if (driver_(&ctx) != 0) std::rethrow_exception(ctx.error);
   TensorMap outputs;
   for (const auto& [name, v] : m_.outputs) {
     Tensor t(m_.type(v));
@@ -675,12 +746,13 @@ std::string EmitLlvmIr(const ir::Module& module) {
   o.disk_cache = false;
   auto jit = JitCompiler::Create(o);
   llvm::LLVMContext ctx;
-  auto mod = EmitKernels(step->module(), step->kernels(), ctx, "step");
+  auto mod = step->Emit(ctx, "step");
   std::vector<std::string> remarks;
   jit->Optimize(*mod, &remarks);
   std::string s;
   llvm::raw_string_ostream os(s);
-  os << "; " << step->kernels().size() << " fused kernels; loop-vectorize remarks:\n";
+  os << "; " << step->kernels().size() << " fused kernels and the step driver @" << kStepDriverName
+     << "; loop-vectorize remarks:\n";
   for (const std::string& r : remarks) os << ";   " << r << "\n";
   mod->print(os, nullptr);
   return os.str();

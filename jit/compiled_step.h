@@ -1,6 +1,7 @@
-// CompiledStep: a module compiled for the CPU backend: the JIT'd fused kernels plus the schedule the
-// step driver runs (kernels, oneDNN matmuls, native data movement, collectives, and the reference
-// kernels of the interpreter for the few ops with no native lowering yet).
+// CompiledStep: a module compiled for the CPU backend: one JIT'd object holding the fused kernels and
+// the step driver that runs the schedule (kernels, oneDNN matmuls, native data movement,
+// collectives, and the reference kernels of the interpreter for the few ops with no native lowering
+// yet), plus the buffer plan that places the step's temporaries in one arena.
 #pragma once
 
 #include <memory>
@@ -8,8 +9,10 @@
 #include <vector>
 
 #include "ir/module.h"
+#include "jit/driver_emitter.h"
 #include "jit/jit_compiler.h"
 #include "jit/kernel_emitter.h"
+#include "jit/step_runtime.h"
 #include "runtime/collectives.h"
 #include "runtime/interpreter.h"
 
@@ -22,6 +25,11 @@ struct CompileInfo {
   int kernels = 0;         // fused loops
   int fused_ops = 0;       // instructions inside them
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
+  // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
+  // values kept as their own tensors because they are swapped into variables at the end of a step.
+  int64_t arena_bytes = 0;
+  int64_t buffer_bytes = 0;
+  int64_t swapped_bytes = 0;
 };
 
 // How each instruction of the step runs (for tests and `--emit`).
@@ -33,11 +41,11 @@ class CompiledStep;
 // Per-replica buffers of one CompiledStep: allocated at the first Run, reused by every later step.
 struct Workspace {
   const CompiledStep* owner = nullptr;
-  std::vector<runtime::Tensor> owned;
+  std::vector<char> arena;              // the buffer plan's arena (+ slack to align its base to 64 bytes)
+  std::vector<runtime::Tensor> owned;   // per value: its own tensor when it is swapped into a variable
   std::vector<char> is_owned;
-  std::vector<void*> ptr;
-  std::vector<void*> bufs;
-  std::vector<double> scratch;
+  std::vector<void*> ptr;               // the slot table: per value, its storage during this step
+  std::vector<double> scratch;          // reductions' accumulators (grown once, then reused)
 };
 
 class CompiledStep {
@@ -50,6 +58,11 @@ class CompiledStep {
   const ir::Module& module() const { return m_; }  // with "fusion" attributes
   const CompileInfo& info() const { return info_; }
   const std::vector<FusedKernel>& kernels() const { return kernels_; }
+  // Byte offset of value v in the workspace arena, or -1 (no buffer, or a tensor of its own).
+  int64_t arena_offset(ir::ValueId v) const { return offset_[v]; }
+
+  // The LLVM module Compile JITs: the kernels and the step driver (`--emit=llvm` prints it).
+  std::unique_ptr<llvm::Module> Emit(llvm::LLVMContext& ctx, const std::string& name) const;
 
   // One step as replica `replica`, with the semantics of runtime::RunStep: returns the outputs and
   // writes each assigned variable's new value into `variables`. With batch_parts > 1, `inputs` hold
@@ -63,8 +76,10 @@ class CompiledStep {
     int kernel = -1;           // >= 0: run kernels_[kernel]
     ir::ValueId value = -1;    // else: instruction `value`
   };
+  friend int32_t(::ss_rt_instr)(shardstep::jit::StepContext* ctx, int64_t value);  // runs RunInstr for the driver
   CompiledStep() = default;
   void Plan();
+  void PlanBuffers();
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                 runtime::Collectives* c, Workspace* ws, int batch_parts) const;
   void Allocate(Workspace* ws) const;
@@ -72,10 +87,13 @@ class CompiledStep {
   ir::Module m_;
   CompileInfo info_;
   std::vector<FusedKernel> kernels_;
-  std::vector<KernelFn> fns_;
   std::vector<Step> schedule_;
+  std::vector<DriverStep> driver_steps_;       // the schedule as the driver performs it
+  StepDriverFn driver_ = nullptr;
   std::vector<char> needs_buffer_;             // per value
   std::vector<char> swappable_;                // per value: assigned once, not an output
+  std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
+  std::vector<int64_t> offset_;                // per value: offset in the arena, or -1
   std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
   std::shared_ptr<JitCompiler> jit_;
 };

@@ -12,21 +12,20 @@ struct CpuExecutorOptions {
   JitOptions jit;
 };
 
-class CpuExecutor : public runtime::Executor {
+class CpuExecutor : public runtime::ReplicatedExecutor {
  public:
   CpuExecutor(const ir::Module& step, const runtime::TensorMap& logical_state, const CpuExecutorOptions& options = {});
   ~CpuExecutor() override;
 
-  runtime::TensorMap Step(const runtime::TensorMap& global_inputs) override;
   runtime::TensorMap Forward(const ir::Module& forward, const runtime::TensorMap& inputs) override;
-  runtime::TensorMap LogicalState() const override;
-  void LoadLogicalState(const runtime::TensorMap& state) override;
-  double CommunicationSeconds() const override;
-  void SetPhaseTiming(bool on) override;
 
   // How the training step was obtained (compiled, or from the disk / memory cache) and how long it took.
   const CompileInfo& compile_info() const { return step_->info(); }
   const CompiledStep& compiled() const { return *step_; }
+
+ protected:
+  runtime::TensorMap RunReplica(int r, const runtime::TensorMap& global_inputs, runtime::TensorMap& state,
+                                runtime::Collectives* c) override;
 
  private:
   struct State;

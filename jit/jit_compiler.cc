@@ -270,6 +270,15 @@ void JitCompiler::AddModule(std::unique_ptr<llvm::Module> module, std::unique_pt
     throw Error(Str("JIT: adding module: ", ToString(std::move(e))));
 }
 
+void JitCompiler::DefineSymbols(const std::vector<std::pair<std::string, void*>>& symbols) {
+  llvm::orc::SymbolMap map;
+  for (const auto& [name, address] : symbols)
+    map[impl_->jit->mangleAndIntern(name)] =
+        llvm::JITEvaluatedSymbol(llvm::pointerToJITTargetAddress(address), llvm::JITSymbolFlags::Exported | llvm::JITSymbolFlags::Callable);
+  if (llvm::Error e = impl_->jit->getMainJITDylib().define(llvm::orc::absoluteSymbols(std::move(map))))
+    throw Error(Str("JIT: defining runtime symbols: ", ToString(std::move(e))));
+}
+
 void* JitCompiler::Lookup(const std::string& name) {
   auto sym = impl_->jit->lookup(name);
   if (!sym) throw Error(Str("JIT: symbol ", name, ": ", ToString(sym.takeError())));

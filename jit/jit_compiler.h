@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace llvm {
@@ -39,6 +40,9 @@ class JitCompiler {
   // is stored in the disk cache under `key` when it is compiled (at the first Lookup).
   void AddModule(std::unique_ptr<llvm::Module> module, std::unique_ptr<llvm::LLVMContext> context,
                  const std::string& key);
+  // Makes C++ functions callable from JIT'd code under `name` (absolute symbols in the main
+  // JITDylib: they resolve whether or not the executable exports them dynamically).
+  void DefineSymbols(const std::vector<std::pair<std::string, void*>>& symbols);
   // The address of a function defined by an added module (compiles on first use).
   void* Lookup(const std::string& name);
 

@@ -37,28 +37,10 @@ void KeepFreedMemory() {
   (void)once;
 }
 
-class InterpreterExecutor : public Executor {
+class InterpreterExecutor : public ReplicatedExecutor {
  public:
-  InterpreterExecutor(const ir::Module& step, const TensorMap& state)
-      : step_(step), n_(step.num_replicas), collectives_(step.num_replicas), states_(n_) {
-    KeepFreedMemory();
+  InterpreterExecutor(const ir::Module& step, const TensorMap& state) : ReplicatedExecutor(step), step_(step) {
     LoadLogicalState(state);
-  }
-
-  TensorMap Step(const TensorMap& global_inputs) override {
-    std::vector<TensorMap> outputs(n_);
-    RunReplicas(n_, &collectives_, [&](int r) {
-      TensorMap inputs;
-      for (auto& [name, t] : global_inputs) inputs[name] = SliceBatch(t, n_, r);
-      outputs[r] = RunStep(step_, states_[r], inputs, r, &collectives_);
-    });
-    TensorMap out = outputs[0];
-    if (n_ > 1 && out.count("loss")) {
-      double sum = 0;
-      for (auto& o : outputs) sum += o.at("loss").f32[0];
-      out["loss"].f32[0] = static_cast<float>(sum / n_);
-    }
-    return out;
   }
 
   TensorMap Forward(const ir::Module& forward, const TensorMap& inputs) override {
@@ -66,21 +48,43 @@ class InterpreterExecutor : public Executor {
     return RunStep(forward, state, inputs, 0, nullptr);
   }
 
-  TensorMap LogicalState() const override { return LogicalStateFrom(step_, states_); }
-  void LoadLogicalState(const TensorMap& state) override {
-    for (int r = 0; r < n_; ++r) states_[r] = ReplicaState(step_, state, r);
+ protected:
+  TensorMap RunReplica(int r, const TensorMap& global_inputs, TensorMap& state, Collectives* c) override {
+    if (num_replicas() == 1) return RunStep(step_, state, global_inputs, r, c);
+    TensorMap inputs;
+    for (auto& [name, t] : global_inputs) inputs[name] = SliceBatch(t, num_replicas(), r);
+    return RunStep(step_, state, inputs, r, c);
   }
-  double CommunicationSeconds() const override { return collectives_.busy_seconds(); }
-  void SetPhaseTiming(bool on) override { collectives_.set_phase_timing(on); }
 
  private:
   ir::Module step_;
-  int n_;
-  InProcessCollectives collectives_;
-  std::vector<TensorMap> states_;
 };
 
 }  // namespace
+
+ReplicatedExecutor::ReplicatedExecutor(const ir::Module& layout)
+    : layout_(layout), n_(layout.num_replicas), collectives_(layout.num_replicas), states_(n_) {
+  KeepFreedMemory();
+}
+
+TensorMap ReplicatedExecutor::Step(const TensorMap& global_inputs) {
+  if (n_ == 1) return RunReplica(0, global_inputs, states_[0], nullptr);  // no thread hop
+  std::vector<TensorMap> outputs(n_);
+  RunReplicas(n_, &collectives_, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], &collectives_); });
+  TensorMap out = std::move(outputs[0]);
+  if (out.count("loss")) {
+    double sum = 0;
+    for (int r = 0; r < n_; ++r) sum += (r == 0 ? out : outputs[r]).at("loss").f32[0];
+    out["loss"].f32[0] = static_cast<float>(sum / n_);
+  }
+  return out;
+}
+
+TensorMap ReplicatedExecutor::LogicalState() const { return LogicalStateFrom(layout_, states_); }
+
+void ReplicatedExecutor::LoadLogicalState(const TensorMap& state) {
+  for (int r = 0; r < n_; ++r) states_[r] = ReplicaState(layout_, state, r);
+}
 
 std::unique_ptr<Executor> MakeInterpreterExecutor(const ir::Module& step, const TensorMap& logical_state) {
   return std::make_unique<InterpreterExecutor>(step, logical_state);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "ir/module.h"
+#include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
 
 namespace shardstep::runtime {
@@ -29,6 +30,32 @@ class Executor {
   // Replicas leave every collective together, so communication and computation do not overlap and
   // step time = communication + computation exactly (for benchmarks; one more rendezvous each).
   virtual void SetPhaseTiming(bool on) {}
+};
+
+// What every in-process backend shares: one thread per replica (none for a single replica), the
+// in-process collectives, each replica's state shard, the loss averaged over replicas, and the
+// conversion between the logical state and the shards. A backend supplies one replica's step.
+class ReplicatedExecutor : public Executor {
+ public:
+  TensorMap Step(const TensorMap& global_inputs) final;
+  TensorMap LogicalState() const final;
+  void LoadLogicalState(const TensorMap& state) final;
+  double CommunicationSeconds() const final { return collectives_.busy_seconds(); }
+  void SetPhaseTiming(bool on) final { collectives_.set_phase_timing(on); }
+
+ protected:
+  // `layout`: the step module whose variables (sharded or not) the replicas hold.
+  explicit ReplicatedExecutor(const ir::Module& layout);
+  // Replica r's part of one step: its chunk of `global_inputs` along dimension 0, its `state`;
+  // `c` is null for a single replica.
+  virtual TensorMap RunReplica(int r, const TensorMap& global_inputs, TensorMap& state, Collectives* c) = 0;
+  int num_replicas() const { return n_; }
+
+ private:
+  ir::Module layout_;
+  int n_;
+  InProcessCollectives collectives_;
+  std::vector<TensorMap> states_;
 };
 
 // The reference interpreter, with `step.num_replicas` replica threads exchanging through

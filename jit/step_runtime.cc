@@ -1,0 +1,116 @@
+// The step driver's entry points: each runs one schedule step, times it under SHARDSTEP_JIT_PROFILE=1,
+// and turns an exception into a status (see step_runtime.h).
+#include "jit/step_runtime.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "ir/error.h"
+#include "jit/compiled_step.h"
+#include "jit/dnnl_kernels.h"
+#include "jit/kernel_emitter.h"
+
+namespace shardstep::jit {
+namespace {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk of a fused loop
+
+// SHARDSTEP_JIT_PROFILE=1: wall time per op kind (and for fused loops), printed at exit.
+struct Profile {
+  std::mutex mu;
+  std::map<std::string, std::pair<double, int64_t>> time;
+  ~Profile() {
+    if (time.empty()) return;
+    std::fprintf(stderr, "jit profile (wall seconds, calls):\n");
+    for (auto& [k, v] : time) std::fprintf(stderr, "  %-22s %9.4f %8lld\n", k.c_str(), v.first, static_cast<long long>(v.second));
+  }
+  void Add(const std::string& k, double s) {
+    std::lock_guard<std::mutex> l(mu);
+    auto& e = time[k];
+    e.first += s;
+    ++e.second;
+  }
+};
+Profile* Profiler() {
+  static const bool on = std::getenv("SHARDSTEP_JIT_PROFILE") && std::string(std::getenv("SHARDSTEP_JIT_PROFILE")) == "1";
+  static Profile p;
+  return on ? &p : nullptr;
+}
+
+// Runs `body`, timed as `what` (a callable giving the name, so no string is built when not
+// profiling); an exception becomes status 1 with the exception kept in ctx.
+template <typename Name, typename Body>
+int32_t Guarded(StepContext* ctx, Name what, Body body) noexcept {
+  try {
+    Profile* prof = Profiler();
+    const auto t0 = prof ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+    body();
+    if (prof) prof->Add(what(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    return 0;
+  } catch (...) {
+    ctx->error = std::current_exception();
+    return 1;
+  }
+}
+
+// Instruction errors carry "%<id> = <op>: " (leaf errors already name the variable or input).
+template <typename Body>
+void Prefixed(const CompiledStep& step, int64_t value, Body body) {
+  try {
+    body();
+  } catch (const Error& e) {
+    const ir::Instr& in = step.module().at(static_cast<ir::ValueId>(value));
+    if (ir::HasProperty(in.op, ir::kLeaf)) throw;
+    throw Error(Str("%", value, " = ", ir::OpName(in.op), ": ", e.what()));
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, void*>> StepRuntimeSymbols() {
+  return {{"ss_rt_kernel", reinterpret_cast<void*>(&ss_rt_kernel)},
+          {"ss_rt_sgemm", reinterpret_cast<void*>(&ss_rt_sgemm)},
+          {"ss_rt_collective", reinterpret_cast<void*>(&ss_rt_collective)},
+          {"ss_rt_instr", reinterpret_cast<void*>(&ss_rt_instr)}};
+}
+
+}  // namespace shardstep::jit
+
+using shardstep::jit::Guarded;
+using shardstep::jit::StepContext;
+
+extern "C" int32_t ss_rt_kernel(StepContext* ctx, void* kernel, void* const* bufs, int64_t n) {
+  return Guarded(ctx, [] { return std::string("fused loops"); }, [&] {
+    const auto fn = reinterpret_cast<shardstep::jit::KernelFn>(kernel);
+    if (n >= 2 * shardstep::jit::kGrain) {
+      tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, shardstep::jit::kGrain),
+                        [&](const tbb::blocked_range<int64_t>& r) { fn(bufs, r.begin(), r.end()); });
+    } else {
+      fn(bufs, 0, n);
+    }
+  });
+}
+
+extern "C" int32_t ss_rt_sgemm(StepContext* ctx, int64_t value, int32_t ta, int32_t tb, int64_t m, int64_t n,
+                               int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* out) {
+  return Guarded(ctx, [] { return std::string("matmul"); }, [&] {
+    shardstep::jit::Prefixed(*ctx->step, value, [&] { shardstep::jit::ParallelSgemm(ta, tb, m, n, k, a, lda, b, ldb, out); });
+  });
+}
+
+extern "C" int32_t ss_rt_collective(StepContext* ctx, int64_t value) { return ss_rt_instr(ctx, value); }
+
+extern "C" int32_t ss_rt_instr(StepContext* ctx, int64_t value) {
+  const auto v = static_cast<shardstep::ir::ValueId>(value);
+  return Guarded(ctx, [&] { return std::string(shardstep::ir::OpName(ctx->step->module().at(v).op)); }, [&] {
+    shardstep::jit::Prefixed(*ctx->step, value, [&] {
+      ctx->step->RunInstr(v, *ctx->variables, *ctx->inputs, ctx->replica, ctx->collectives, ctx->ws, ctx->batch_parts);
+    });
+  });
+}

@@ -1,0 +1,202 @@
+// The buffer plan (jit/buffer_plan.h) and the step driver's promises: buffers live at once never
+// share bytes, an MLP step's arena is smaller than one buffer per value, a step after the first
+// allocates no buffers (global operator new is replaced by a counting one in this executable), and an
+// error inside the driver comes back as the interpreter's message.
+#include <catch2/catch.hpp>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <filesystem>
+#include <new>
+#include <random>
+
+#include "dsl/dsl.h"
+#include "ir/builder.h"
+#include "jit/buffer_plan.h"
+#include "jit/compiled_step.h"
+#include "models/models.h"
+#include "runtime/dataset.h"
+#include "runtime/sharding.h"
+
+namespace {
+
+// Allocations (count, and those of at least kLarge bytes) while `g_counting` is set, on any thread.
+// kLarge is below the MLP's smallest activation (its 32 x 10 logits, 1280 bytes).
+constexpr size_t kLarge = 1024;
+std::atomic<bool> g_counting{false};
+std::atomic<int64_t> g_allocs{0}, g_large{0}, g_bytes{0};
+
+void* Counted(size_t n, size_t align) {
+  if (g_counting.load(std::memory_order_relaxed)) {
+    ++g_allocs;
+    g_bytes += static_cast<int64_t>(n);
+    if (n >= kLarge) ++g_large;
+  }
+  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
+                                              : std::malloc(n ? n : 1);
+  if (!p) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+void* operator new(size_t n) { return Counted(n, 0); }
+void* operator new[](size_t n) { return Counted(n, 0); }
+void* operator new(size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
+void* operator new[](size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
+
+using namespace shardstep;
+using jit::BufferRequest;
+
+namespace {
+
+// No two requests live at the same time overlap in the arena; all fit and are aligned.
+void CheckValid(const std::vector<BufferRequest>& r, const jit::BufferPlan& plan, int64_t align) {
+  REQUIRE(plan.offset.size() == r.size());
+  for (size_t i = 0; i < r.size(); ++i) {
+    if (r[i].bytes == 0) {
+      CHECK(plan.offset[i] == -1);
+      continue;
+    }
+    CHECK(plan.offset[i] % align == 0);
+    CHECK(plan.offset[i] + r[i].bytes <= plan.arena_bytes);
+    for (size_t j = 0; j < i; ++j) {
+      if (r[j].bytes == 0 || r[i].first > r[j].last || r[j].first > r[i].last) continue;
+      INFO("requests " << j << " and " << i);
+      CHECK((plan.offset[i] + r[i].bytes <= plan.offset[j] || plan.offset[j] + r[j].bytes <= plan.offset[i]));
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("PlanBuffers shares bytes only between buffers not live at once", "[jit][buffers]") {
+  // a [0,1], b [1,2] meet at step 1 (b is written while a is read): apart. c [2,3] can reuse a.
+  const std::vector<BufferRequest> r = {{1000, 0, 1}, {1000, 1, 2}, {1000, 2, 3}, {0, 0, 3}, {10, 3, 3}};
+  const jit::BufferPlan plan = jit::PlanBuffers(r, 64);
+  CheckValid(r, plan, 64);
+  CHECK(plan.offset[0] == plan.offset[2]);
+  CHECK(plan.offset[0] != plan.offset[1]);
+  CHECK(plan.buffer_bytes == 3 * 1024 + 64);
+  CHECK(plan.arena_bytes == 2 * 1024);  // the last one fits where b was
+}
+
+TEST_CASE("PlanBuffers on random lifetimes is always valid", "[jit][buffers]") {
+  std::mt19937 rng(3);
+  for (int round = 0; round < 50; ++round) {
+    std::vector<BufferRequest> r(60);
+    for (auto& q : r) {
+      q.first = static_cast<int>(rng() % 40);
+      q.last = q.first + static_cast<int>(rng() % 10);
+      q.bytes = rng() % 7 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 5000);
+    }
+    const jit::BufferPlan plan = jit::PlanBuffers(r, 64);
+    CheckValid(r, plan, 64);
+    CHECK(plan.arena_bytes <= plan.buffer_bytes);
+  }
+}
+
+namespace {
+
+dsl::Program Mlp(int64_t batch) {
+  dsl::Model m("mlp", /*seed=*/1);
+  models::ModelOptions mo;
+  mo.batch = batch;
+  mo.hidden = {64, 32};
+  mo.classes = 10;
+  return m.train(models::DefineMlp(m, mo)).optimizer(dsl::Adam().lr(1e-3)).replicas(1).build();
+}
+
+}  // namespace
+
+TEST_CASE("an MLP step after the first allocates no buffers, and its arena is smaller than one buffer per value",
+          "[jit][buffers]") {
+  constexpr int64_t kBatch = 32;
+  dsl::Program p = Mlp(kBatch);
+  auto step = jit::CompiledStep::Compile(p.step);
+  const jit::CompileInfo& info = step->info();
+  INFO("arena " << info.arena_bytes << " bytes, one buffer per value " << info.buffer_bytes << ", swapped "
+                << info.swapped_bytes);
+  CHECK(info.arena_bytes > 0);
+  CHECK(info.arena_bytes < info.buffer_bytes);
+  CHECK(info.swapped_bytes > 0);  // the new weights and Adam moments are swapped in, not copied
+
+  const runtime::Dataset d = runtime::SyntheticClassification(2 * kBatch, 1, 28, 28, 10, /*seed=*/11);
+  runtime::BatchIterator it(d, kBatch, /*shuffle=*/false, /*seed=*/5, ir::Shape{784});
+  runtime::TensorMap in;
+  it.Next(&in["image"], &in["label"]);
+  runtime::TensorMap vars = runtime::InitLogicalState(p.step), reference = vars;
+
+  jit::Workspace ws;
+  const float first = step->Run(vars, in, 0, nullptr, &ws).at("loss").f32[0];
+  g_allocs = g_large = g_bytes = 0;
+  g_counting = true;
+  const runtime::TensorMap out = step->Run(vars, in, 0, nullptr, &ws);
+  g_counting = false;
+  // What remains: the returned outputs (Run returns them by value: map nodes, the loss, the logits)
+  // and the reductions' small stride and index vectors (~40); no buffer of any other value, no
+  // arena, no kernel argument array.
+  int64_t large_outputs = 0;
+  for (const auto& [name, t] : out) large_outputs += t.bytes() >= static_cast<int64_t>(kLarge);
+  INFO("second step: " << g_allocs << " allocations, " << g_bytes << " bytes, " << g_large << " of >= " << kLarge
+                       << " bytes; outputs " << out.size() << ", " << large_outputs << " of them >= " << kLarge << " bytes");
+  CHECK(g_large == large_outputs);
+  CHECK(g_allocs < 64);
+
+  // The shared buffers give the same numbers as a fresh workspace each step (every value written
+  // before it is read), and the loss moved.
+  jit::Workspace fresh1, fresh2;
+  step->Run(reference, in, 0, nullptr, &fresh1);
+  const runtime::TensorMap again = step->Run(reference, in, 0, nullptr, &fresh2);
+  CHECK(again.at("loss") == out.at("loss"));
+  CHECK(reference == vars);
+  CHECK(out.at("loss").f32[0] != first);
+}
+
+TEST_CASE("the step driver comes out of the disk cache with the kernels and runs the same step", "[jit][cache]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("ss_driver_cache_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  jit::JitOptions o;
+  o.cache_dir = dir.string();
+  o.memory_cache = false;
+  dsl::Program p = Mlp(8);
+  auto cold = jit::CompiledStep::Compile(p.step, o);
+  auto warm = jit::CompiledStep::Compile(p.step, o);
+  CHECK(cold->info().source == "compiled");
+  REQUIRE(warm->info().source == "disk cache");
+  runtime::TensorMap in{{"image", runtime::Tensor(ir::TensorType{ir::DType::kF32, {8, 784}})},
+                        {"label", runtime::Tensor::S32({8}, {0, 1, 2, 3, 4, 5, 6, 7})}};
+  for (int64_t i = 0; i < 8 * 784; ++i) in["image"].f32[i] = static_cast<float>(i % 13) / 13;
+  runtime::TensorMap a = runtime::InitLogicalState(p.step), b = a;
+  jit::Workspace wa, wb;
+  const runtime::TensorMap oa = cold->Run(a, in, 0, nullptr, &wa), ob = warm->Run(b, in, 0, nullptr, &wb);
+  CHECK(oa.at("loss") == ob.at("loss"));
+  CHECK(a == b);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("an error inside the step driver is the instruction's message, and the next step runs", "[jit][errors]") {
+  ir::Module m;
+  ir::Builder b(&m);
+  auto table = b.Input("table", {ir::DType::kF32, {10, 3}});
+  auto idx = b.Input("idx", {ir::DType::kS32, {2}});
+  m.outputs.push_back({"rows", b.Emit(ir::OpCode::kGather, {table, idx})});
+  auto step = jit::CompiledStep::Compile(m);
+  runtime::TensorMap vars, in{{"table", runtime::Tensor(ir::TensorType{ir::DType::kF32, {10, 3}})},
+                              {"idx", runtime::Tensor::S32({2}, {1, 12})}};
+  jit::Workspace ws;
+  CHECK_THROWS_WITH(step->Run(vars, in, 0, nullptr, &ws), "%2 = gather: gather index 12 out of range [0,10)");
+  in["idx"] = runtime::Tensor::S32({2}, {1, 9});
+  in["table"].f32[27] = 5;
+  CHECK(step->Run(vars, in, 0, nullptr, &ws).at("rows").f32[3] == 5);
+}
