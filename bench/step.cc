@@ -22,7 +22,6 @@
 #include <string>
 #include <vector>
 
-#include "bench/update_module.h"
 #include "dsl/dsl.h"
 #include "ir/builder.h"
 #include "ir/error.h"
@@ -205,23 +204,6 @@ double FusedAdamBytesPerSecond(int64_t n, int* kernels) {
   return 7.0 * 4 * n / Median(ts);
 }
 
-// The weight-update phase alone (as bench/weight_update builds it: per-replica gradients in,
-// all-reduce or reduce-scatter + all-gather, Adam, assigns) on the JIT at n replicas.
-double UpdatePhaseMs(int n, bool shard, int reps) {
-  const bench::WeightShapes weights = bench::MlpWeights({1024, 1024});
-  ir::Module m = bench::UpdateModule(weights, n, shard);
-  jit::CpuExecutor exec(m, runtime::InitLogicalState(m));
-  runtime::TensorMap grads = bench::RandomGradients(weights, n);
-  exec.Step(grads);
-  std::vector<double> t;
-  for (int i = 0; i < reps; ++i) {
-    auto t0 = Clock::now();
-    exec.Step(grads);
-    t.push_back(Seconds(t0, Clock::now()) * 1e3);
-  }
-  return Median(t);
-}
-
 struct Row {
   std::string model;
   double jit_ms, torch_ms, gflop, cpu_util;
@@ -316,12 +298,7 @@ int main(int argc, char** argv) {
               << std::setprecision(2) << adam / 1e9 << " GB/s; STREAM triad (3 x 4 bytes/elem): " << triad / 1e9
               << " GB/s; fraction " << adam / triad << " (target >= 0.6)\n";
 
-    std::cout << "\nweight-update phase on the JIT (MLP 784-1024-1024-10, 1.86M parameters, Adam), median of 7:\n";
-    for (int n : {1, 8}) {
-      const double r = UpdatePhaseMs(n, false, 7), sh = UpdatePhaseMs(n, true, 7);
-      std::cout << "  N=" << n << ": replicated " << std::setprecision(2) << r << " ms, sharded " << sh
-                << " ms, ratio " << std::setprecision(3) << sh / r << (n == 8 ? " (target <= 0.25)" : "") << "\n";
-    }
+    std::cout << "\nthe weight-update phase, replicated vs sharded at N = 1, 2, 4, 8: bench/weight_update --backend cpu\n";
   } catch (const std::exception& e) {
     std::cerr << "bench/step: " << e.what() << "\n";
     return 1;

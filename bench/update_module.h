@@ -1,6 +1,6 @@
 // The weight-update phase as a module of its own (per-replica gradients in, all-reduce or
-// reduce-scatter + all-gather, Adam, assigns), built by the same passes as training; shared by
-// bench/weight_update and bench/step.
+// reduce-scatter + all-gather, Adam, assigns), built by the same passes as training (for
+// bench/weight_update).
 #pragma once
 
 #include <random>
