@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <tuple>
 
 #include "bench/update_module.h"
 #include "dsl/dsl.h"
@@ -38,22 +39,30 @@ struct Timing {
   double total_ms = 0, compute_ms = 0, comm_ms = 0;  // medians over the reps
 };
 
-// Median wall time of exec->Step(in), and of its communication and computation parts.
-Timing TimeSteps(int reps, runtime::Executor& exec, const runtime::TensorMap& in) {
-  exec.SetPhaseTiming(true);  // communication and computation never overlap: the split is exact
-  exec.Step(in);  // warm-up
-  std::vector<double> total, compute, comm;
-  for (int i = 0; i < reps; ++i) {
-    const double c0 = exec.CommunicationSeconds();
-    auto a = std::chrono::steady_clock::now();
-    exec.Step(in);
-    const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
-    const double c = exec.CommunicationSeconds() - c0;
-    total.push_back(t * 1e3);
-    comm.push_back(c * 1e3);
-    compute.push_back((t - c) * 1e3);
+// Median wall time of Step(in) on the replicated and the sharded executor, measured alternately
+// (so drifting machine noise hits both alike), and of each step's communication and computation.
+std::pair<Timing, Timing> TimeAlternately(int reps, runtime::Executor& repl, runtime::Executor& shard,
+                                          const runtime::TensorMap& in) {
+  runtime::Executor* execs[2] = {&repl, &shard};
+  std::vector<double> total[2], compute[2], comm[2];
+  for (runtime::Executor* e : execs) {
+    e->SetPhaseTiming(true);  // communication and computation never overlap: the split is exact
+    e->Step(in);              // warm-up
   }
-  return {Median(total), Median(compute), Median(comm)};
+  for (int i = 0; i < reps; ++i) {
+    for (int k = 0; k < 2; ++k) {
+      const double c0 = execs[k]->CommunicationSeconds();
+      auto a = std::chrono::steady_clock::now();
+      execs[k]->Step(in);
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+      const double c = execs[k]->CommunicationSeconds() - c0;
+      total[k].push_back(t * 1e3);
+      comm[k].push_back(c * 1e3);
+      compute[k].push_back((t - c) * 1e3);
+    }
+  }
+  auto timing = [&](int k) { return Timing{Median(total[k]), Median(compute[k]), Median(comm[k])}; };
+  return {timing(0), timing(1)};
 }
 
 runtime::Tensor Random(ir::Shape s, uint32_t seed) {
@@ -74,11 +83,11 @@ std::unique_ptr<runtime::Executor> MakeExecutor(const std::string& backend, cons
 int main(int argc, char** argv) {
   CLI::App app{"weight-update benchmark: replicated vs sharded Adam update at N = 1, 2, 4, 8"};
   std::vector<int64_t> hidden = {4096, 4096};
-  int reps = 5;
+  int reps = 11;
   int64_t batch = 64;
   std::vector<int> ns = {1, 2, 4, 8};
   bool skip_step = false;
-  std::string backend = "interp";
+  std::string backend = "cpu";
   app.add_option("--hidden", hidden, "MLP widths (default 784-4096-4096-10: 20.0M parameters)")->delimiter(',');
   app.add_option("--reps", reps, "timed steps per measurement (median)");
   app.add_option("--batch", batch, "global batch for the whole step");
@@ -93,7 +102,7 @@ int main(int argc, char** argv) {
   const bench::WeightShapes weights = bench::MlpWeights(hidden);
   int64_t params = 0;
   for (auto& [name, shape] : weights) params += ir::NumElements(shape);
-  std::printf("model: MLP 784-%s-10, %.2fM parameters, Adam, global batch %lld, %s backend, %d reps (median)\n",
+  std::printf("model: MLP 784-%s-10, %.2fM parameters, Adam, global batch %lld, %s backend, %d reps (median, replicated and sharded alternately)\n",
               [&] { std::string s; for (auto h : hidden) s += (s.empty() ? "" : "-") + std::to_string(h); return s; }().c_str(),
               params / 1e6, static_cast<long long>(batch), backend.c_str(), reps);
   std::printf("%3s | %-32s | %-32s | %-26s | %-26s\n", "", "update phase (ms)", "update computation (ms)",
@@ -102,21 +111,25 @@ int main(int argc, char** argv) {
               "shard", "ratio", "repl", "shard", "ratio", "repl", "shard", "ratio");
   for (int n : ns) {
     Timing upd[2], step[2];
-    for (int shard = 0; shard < 2; ++shard) {
-      ir::Module um = bench::UpdateModule(weights, n, shard);
-      auto exec = MakeExecutor(backend, um);
-      runtime::TensorMap grads = bench::RandomGradients(weights, n);
-      upd[shard] = TimeSteps(reps, *exec, grads);
-      if (skip_step) continue;
-      dsl::Model m("mlp");
-      auto loss = models::DefineMlp(m, mo);
-      dsl::Program p = m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(n).shard_weight_update(shard).build();
-      auto sexec = MakeExecutor(backend, p.step);
+    {
+      const runtime::TensorMap grads = bench::RandomGradients(weights, n);
+      ir::Module repl = bench::UpdateModule(weights, n, false), shard = bench::UpdateModule(weights, n, true);
+      auto r = MakeExecutor(backend, repl), s = MakeExecutor(backend, shard);
+      std::tie(upd[0], upd[1]) = TimeAlternately(reps, *r, *s, grads);
+    }
+    if (!skip_step) {
+      std::unique_ptr<runtime::Executor> execs[2];
+      for (int shard = 0; shard < 2; ++shard) {
+        dsl::Model m("mlp");
+        auto loss = models::DefineMlp(m, mo);
+        dsl::Program p = m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(n).shard_weight_update(shard).build();
+        execs[shard] = MakeExecutor(backend, p.step);
+      }
       runtime::TensorMap in{{"image", Random({batch, 784}, 7)}};
       runtime::Tensor labels(ir::TensorType{ir::DType::kS32, {batch}});
       for (int64_t i = 0; i < batch; ++i) labels.s32[i] = static_cast<int32_t>(i % 10);
       in["label"] = labels;
-      step[shard] = TimeSteps(reps, *sexec, in);
+      std::tie(step[0], step[1]) = TimeAlternately(reps, *execs[0], *execs[1], in);
     }
     auto ratio = [](double a, double b) { return a > 0 ? b / a : 0.0; };
     std::printf("%3d | %10.1f %10.1f %10.3f | %10.1f %10.1f %10.3f | %8.1f %8.1f %8.3f | %8.1f %8.1f %8.3f\n", n,
@@ -125,6 +138,19 @@ int main(int argc, char** argv) {
                 ratio(upd[0].comm_ms, upd[1].comm_ms), step[0].total_ms, step[1].total_ms,
                 ratio(step[0].total_ms, step[1].total_ms));
     std::fflush(stdout);
+  }
+  // The closed-form memory traffic per replica, in units of E = the gradient bytes (in-process
+  // collectives are memory copies; see runtime/inprocess_collectives.h):
+  //   all-reduce: fold reads E, writes E/N to scratch; copy-out reads E, writes E   = 3E + E/N
+  //   reduce-scatter: fold reads E, writes E/N;  all-gather: reads E, writes E      = 3E + E/N
+  //   Adam replicated: reads g, w, m, v, writes w, m, v                            = 7E
+  //   Adam sharded: 7E/N, plus the local slice of w (reads E/N, writes E/N)        = 9E/N
+  std::printf("\nclosed-form memory traffic per replica (units of the gradient bytes), as sharded/replicated ratios:\n");
+  std::printf("%3s | %10s | %10s | %10s\n", "N", "phase", "update", "collectives");
+  for (int n : ns) {
+    if (n == 1) continue;
+    const double coll = 3.0 + 1.0 / n, upd_r = 7.0, upd_s = 9.0 / n;
+    std::printf("%3d | %10.3f | %10.3f | %10.3f\n", n, (coll + upd_s) / (coll + upd_r), upd_s / upd_r, 1.0);
   }
   std::printf("ratio = sharded / replicated time, measured in this run on this machine; update computation =\n"
               "update phase - collectives (from a collective's last arrival to its exit; replicas leave it together)\n");

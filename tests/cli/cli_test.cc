@@ -118,11 +118,27 @@ TEST_CASE("a short run writes JSON Lines metrics and a loadable checkpoint; a co
       ++steps;
       CHECK_THAT(line, Catch::Contains("\"loss\":"));
       CHECK_THAT(line, Catch::Contains("\"step_ms\":"));
+      CHECK_THAT(line, Catch::Contains("\"comm_ms\":0,"));  // one replica: no collectives
     }
   }
   CHECK(steps == 30);
   CHECK(evals == 1);
   r = Run("train --config " + dir + "/run.toml --steps 1 --load " + dir + "/final.safetensors");
   CHECK(r.status == 0);
+  // With replicas, comm_ms is the part of step_ms spent in collectives: positive, at most step_ms.
+  r = Run("train --config " + dir + "/run.toml --steps 5 --replicas 4 --metrics-out " + dir + "/m4.jsonl");
+  REQUIRE(r.status == 0);
+  std::ifstream in4(dir + "/m4.jsonl");
+  int with_comm = 0;
+  while (std::getline(in4, line)) {
+    const auto step_at = line.find("\"step_ms\":"), comm_at = line.find("\"comm_ms\":");
+    if (step_at == std::string::npos) continue;
+    REQUIRE(comm_at != std::string::npos);
+    const double step_ms = std::stod(line.substr(step_at + 10)), comm_ms = std::stod(line.substr(comm_at + 10));
+    CHECK(comm_ms > 0);
+    CHECK(comm_ms <= step_ms);
+    ++with_comm;
+  }
+  CHECK(with_comm == 5);
   std::filesystem::remove_all(dir);
 }
