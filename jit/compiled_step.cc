@@ -23,6 +23,9 @@
 // every op of the table runs.
 #include "jit/compiled_step.h"
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 #include <llvm/IR/LLVMContext.h>
 #include <llvm/IR/Module.h>
 #include <llvm/Support/raw_ostream.h>
@@ -126,8 +129,12 @@ int32_t Wrap(int64_t v) { return static_cast<int32_t>(static_cast<uint32_t>(v));
 template <typename T>
 T MaxOf(T a, T b) { return (a > b) | (a != a) ? a : b; }
 
-// Reduces `axes` of x (shape `shape`) into out, folding each output's inputs in increasing input
-// index order, accumulating sums in double (the interpreter's order and precision).
+// Reduces `axes` of x (shape `shape`) into out. Max folds in increasing input index order (the
+// interpreter's order). Sums accumulate in double over fixed blocks of rows, run in parallel, whose
+// partial sums are then added in block order; within a row along a reduced last axis, four
+// interleaved partial sums break the add-latency chain. The order depends only on the shape, so
+// results are deterministic (whatever the thread count), within float rounding of the
+// interpreter's serial order. `acc` holds the blocks' partial sums.
 template <typename T>
 void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape& out_shape, const T* x, T* out,
             std::vector<double>& acc) {
@@ -140,11 +147,19 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
   const int64_t nout = ir::NumElements(out_shape), total = ir::NumElements(shape);
   const int rank = static_cast<int>(shape.size());
   const int64_t n = shape.empty() ? 1 : shape.back(), inner = acc_strides.empty() ? 0 : acc_strides.back();
-  auto for_rows = [&](auto row) {
-    if (total == 0) return;
-    std::vector<int64_t> idx(std::max(rank, 1), 0);
+  const int64_t rows = n > 0 ? total / n : 0;
+  // row(src offset, dst offset) for rows [begin, end), walking the output index incrementally.
+  auto for_rows = [&](int64_t begin, int64_t end, auto row) {
+    if (total == 0 || begin >= end) return;
+    int64_t idx[8] = {0};  // rank <= 8 (the IR's limit for reductions here)
+    SS_CHECK(rank <= 8, "reduction of rank ", rank);
     int64_t dst = 0;
-    for (int64_t r = 0, rows = total / n; r < rows; ++r) {
+    for (int64_t dd = rank - 2, rem = begin; dd >= 0; --dd) {
+      idx[dd] = rem % shape[dd];
+      rem /= shape[dd];
+      dst += idx[dd] * acc_strides[dd];
+    }
+    for (int64_t r = begin; r < end; ++r) {
       row(r * n, dst);
       for (int dd = rank - 2; dd >= 0; --dd) {
         dst += acc_strides[dd];
@@ -158,26 +173,51 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     T init = std::numeric_limits<T>::lowest();
     if constexpr (std::is_same_v<T, float>) init = -INFINITY;
     std::fill(out, out + nout, init);
-    for_rows([&](int64_t src, int64_t dst) {
+    for_rows(0, rows, [&](int64_t src, int64_t dst) {
       for (int64_t k = 0; k < n; ++k) out[dst + k * inner] = MaxOf(out[dst + k * inner], x[src + k]);
     });
     return;
   }
-  acc.assign(nout, 0.0);
-  for_rows([&](int64_t src, int64_t dst) {
-    if (inner == 0) {
-      double s = acc[dst];
-      for (int64_t k = 0; k < n; ++k) s += x[src + k];
-      acc[dst] = s;
-    } else {
-      double* a = acc.data() + dst;
+  // Blocks of about 64K elements (whole rows): the partition depends on the shape only.
+  const int64_t block_rows = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(n, 1));
+  const int64_t blocks = std::max<int64_t>(1, (rows + block_rows - 1) / block_rows);
+  acc.assign(blocks * nout, 0.0);
+  auto run_block = [&](int64_t blk) {
+    double* part = acc.data() + blk * nout;
+    for_rows(blk * block_rows, std::min(rows, (blk + 1) * block_rows), [&](int64_t src, int64_t dst) {
       const T* xs = x + src;
-      for (int64_t k = 0; k < n; ++k) a[k * inner] += xs[k];
-    }
-  });
+      if (inner == 0) {
+        double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        int64_t k = 0;
+        for (; k + 4 <= n; k += 4) {
+          s0 += xs[k];
+          s1 += xs[k + 1];
+          s2 += xs[k + 2];
+          s3 += xs[k + 3];
+        }
+        for (; k < n; ++k) s0 += xs[k];
+        part[dst] += (s0 + s1) + (s2 + s3);
+      } else if (inner == 1) {
+        double* a = part + dst;
+        for (int64_t k = 0; k < n; ++k) a[k] += xs[k];
+      } else {
+        double* a = part + dst;
+        for (int64_t k = 0; k < n; ++k) a[k * inner] += xs[k];
+      }
+    });
+  };
+  if (blocks == 1) {
+    run_block(0);
+  } else {
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks, 1), [&](const tbb::blocked_range<int64_t>& r) {
+      for (int64_t blk = r.begin(); blk < r.end(); ++blk) run_block(blk);
+    });
+  }
   const bool mean = op == OpCode::kReduceMean;
   for (int64_t i = 0; i < nout; ++i) {
-    double v = mean ? (count ? acc[i] / count : (std::is_same_v<T, float> ? NAN : 0.0)) : acc[i];
+    double v = acc[i];
+    for (int64_t blk = 1; blk < blocks; ++blk) v += acc[blk * nout + i];
+    if (mean) v = count ? v / count : (std::is_same_v<T, float> ? NAN : 0.0);
     if constexpr (std::is_same_v<T, float>) out[i] = static_cast<float>(v);
     else out[i] = mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
   }
