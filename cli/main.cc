@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 
 #include "dsl/dsl.h"
@@ -210,7 +211,11 @@ int RunTrain(const TrainFlags& t) {
     auto cpu = std::make_unique<jit::CpuExecutor>(program.step, state);
     const jit::CompileInfo& ci = cpu->compile_info();
     std::cout << "jit: " << ci.kernels << " fused kernels (" << ci.fused_ops << " ops), " << ci.source << " in "
-              << ci.seconds << " s" << (ci.rejected_corrupt ? " (a corrupt cache entry was rejected)" : "") << "\n";
+              << ci.seconds << " s" << (ci.rejected_corrupt ? " (a corrupt cache entry was rejected)" : "") << "\n"
+              << "jit buffer plan per replica: " << std::fixed << std::setprecision(3) << ci.arena_bytes / 1048576.0
+              << " MiB arena for " << ci.buffer_bytes / 1048576.0 << " MiB of temporaries, plus "
+              << ci.swapped_bytes / 1048576.0 << " MiB of new variable values\n"
+              << std::defaultfloat;
     exec = std::move(cpu);
   } else {
     exec = runtime::MakeInterpreterExecutor(program.step, state);
