@@ -27,7 +27,7 @@ constexpr size_t kLarge = 1024;
 std::atomic<bool> g_counting{false};
 std::atomic<int64_t> g_allocs{0}, g_large{0}, g_bytes{0};
 
-void* Counted(size_t n, size_t align) {
+[[maybe_unused]] void* Counted(size_t n, size_t align) {
   if (g_counting.load(std::memory_order_relaxed)) {
     ++g_allocs;
     g_bytes += static_cast<int64_t>(n);
@@ -41,6 +41,12 @@ void* Counted(size_t n, size_t align) {
 
 }  // namespace
 
+// Not under AddressSanitizer: it replaces operator new itself, and libLLVM's own new/delete pairs
+// would then be split between ASan's operators and these (an alloc-dealloc mismatch).
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kCountingAllocations = false;
+#else
+constexpr bool kCountingAllocations = true;
 void* operator new(size_t n) { return Counted(n, 0); }
 void* operator new[](size_t n) { return Counted(n, 0); }
 void* operator new(size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
@@ -53,6 +59,7 @@ void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
 void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
+#endif
 
 using namespace shardstep;
 using jit::BufferRequest;
@@ -149,8 +156,10 @@ TEST_CASE("an MLP step after the first allocates no buffers, and its arena is sm
   for (const auto& [name, t] : out) large_outputs += t.bytes() >= static_cast<int64_t>(kLarge);
   INFO("second step: " << g_allocs << " allocations, " << g_bytes << " bytes, " << g_large << " of >= " << kLarge
                        << " bytes; outputs " << out.size() << ", " << large_outputs << " of them >= " << kLarge << " bytes");
-  CHECK(g_large == large_outputs);
-  CHECK(g_allocs < 64);
+  if (kCountingAllocations) {
+    CHECK(g_large == large_outputs);
+    CHECK(g_allocs < 64);
+  }
 
   // The shared buffers give the same numbers as a fresh workspace each step (every value written
   // before it is read), and the loss moved.
