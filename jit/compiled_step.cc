@@ -55,9 +55,29 @@ using ir::Shape;
 using ir::ValueId;
 using runtime::Tensor;
 using runtime::TensorMap;
-using Strides = std::vector<int64_t>;
 
 namespace {
+
+// Per-dimension strides or indices of the native data-movement ops, on the stack: a step allocates
+// nothing. Ranks above kMaxRank are an error (the IR has no limit; no model here comes close).
+class Strides {
+ public:
+  static constexpr int kMaxRank = 8;
+  Strides() = default;
+  explicit Strides(size_t size, int64_t fill = 0) : n_(static_cast<int>(size)) {
+    if (size > kMaxRank) throw Error(Str("rank ", size, " exceeds the CPU backend's limit of ", kMaxRank, " dimensions"));
+    std::fill(v_, v_ + n_, fill);
+  }
+  size_t size() const { return static_cast<size_t>(n_); }
+  bool empty() const { return n_ == 0; }
+  int64_t& operator[](size_t i) { return v_[i]; }
+  int64_t operator[](size_t i) const { return v_[i]; }
+  int64_t back() const { return v_[n_ - 1]; }
+
+ private:
+  int64_t v_[kMaxRank] = {};
+  int n_ = 0;
+};
 
 // Bump when the emitted code changes, so stale cache entries are never used.
 constexpr const char* kEmitterVersion = "shardstep-jit-6";
@@ -82,7 +102,7 @@ void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, u
   }
   const int rank = static_cast<int>(shape.size());
   const int64_t n = shape.back(), si = ss.back();
-  std::vector<int64_t> idx(rank, 0);
+  Strides idx(rank);
   int64_t off = 0;
   for (int64_t row = 0, rows = total / n; row < rows; ++row) {
     const uint32_t* s = src + off;
@@ -109,7 +129,7 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
   }
   const int rank = static_cast<int>(shape.size());
   const int64_t n = shape.back(), di = ds.back();
-  std::vector<int64_t> idx(rank, 0);
+  Strides idx(rank);
   int64_t off = 0;
   for (int64_t row = 0, rows = total / n; row < rows; ++row) {
     const uint32_t* s = src + row * n;
@@ -151,8 +171,7 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
   // row(src offset, dst offset) for rows [begin, end), walking the output index incrementally.
   auto for_rows = [&](int64_t begin, int64_t end, auto row) {
     if (total == 0 || begin >= end) return;
-    int64_t idx[8] = {0};  // rank <= 8 (the IR's limit for reductions here)
-    SS_CHECK(rank <= 8, "reduction of rank ", rank);
+    Strides idx(std::max(rank, 1));
     int64_t dst = 0;
     for (int64_t dd = rank - 2, rem = begin; dd >= 0; --dd) {
       idx[dd] = rem % shape[dd];
@@ -245,14 +264,16 @@ const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& 
   auto it = map.find(in.name);
   if (it == map.end()) throw Error(Str(what, " @", in.name, ": missing (expected ", in.type.ToString(), ")"));
   const Tensor& t = it->second;
-  ir::TensorType want = in.type;
-  if (parts > 1) {
-    if (want.shape.empty()) throw Error(Str(what, " @", in.name, ": a scalar cannot be split across ", parts, " replicas"));
-    want.shape[0] *= parts;
-  }
-  if (t.type != want) {
-    throw Error(Str(what, " @", in.name, ": expected ", want.ToString(), parts > 1 ? Str(" (", parts, " replicas of ", in.type.ToString(), ")") : "",
-                    ", got ", t.type.ToString()));
+  // Compared in place (no copy of the type: a step allocates nothing).
+  const Shape& want = in.type.shape;
+  bool same = t.type.dtype == in.type.dtype && t.shape().size() == want.size();
+  for (size_t d = 0; same && d < want.size(); ++d) same = t.shape()[d] == want[d] * (d == 0 ? parts : 1);
+  if (parts > 1 && want.empty()) throw Error(Str(what, " @", in.name, ": a scalar cannot be split across ", parts, " replicas"));
+  if (!same) {
+    ir::TensorType global = in.type;
+    if (!global.shape.empty()) global.shape[0] *= parts;
+    throw Error(Str(what, " @", in.name, ": expected ", global.ToString(),
+                    parts > 1 ? Str(" (", parts, " replicas of ", in.type.ToString(), ")") : "", ", got ", t.type.ToString()));
   }
   const size_t held = t.dtype() == DType::kF32 ? t.f32.size() : t.s32.size();
   if (static_cast<int64_t>(held) != t.elements())

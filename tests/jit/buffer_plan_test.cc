@@ -149,16 +149,15 @@ TEST_CASE("an MLP step after the first allocates no buffers, and its arena is sm
   g_counting = true;
   const runtime::TensorMap out = step->Run(vars, in, 0, nullptr, &ws);
   g_counting = false;
-  // What remains: the returned outputs (Run returns them by value: map nodes, the loss, the logits)
-  // and the reductions' small stride and index vectors (~40); no buffer of any other value, no
-  // arena, no kernel argument array.
+  // What remains is the returned outputs (Run returns them by value: a map node and the storage of
+  // each); no buffer of any other value, no arena, no kernel argument array, no stride vector.
   int64_t large_outputs = 0;
   for (const auto& [name, t] : out) large_outputs += t.bytes() >= static_cast<int64_t>(kLarge);
   INFO("second step: " << g_allocs << " allocations, " << g_bytes << " bytes, " << g_large << " of >= " << kLarge
                        << " bytes; outputs " << out.size() << ", " << large_outputs << " of them >= " << kLarge << " bytes");
   if (kCountingAllocations) {
     CHECK(g_large == large_outputs);
-    CHECK(g_allocs < 64);
+    CHECK(g_allocs <= 3 * static_cast<int64_t>(out.size()));
   }
 
   // The shared buffers give the same numbers as a fresh workspace each step (every value written
