@@ -80,8 +80,19 @@ constexpr int64_t kFilterGradGroups = 8;
 }  // namespace
 
 ConvShape ConvShapeOf(const ir::Shape& x, const ir::Shape& w, const ir::Instr& in) {
-  ir::IntList s = in.GetInts("stride", {1, 1}), p = in.GetInts("padding", {0, 0});
-  ConvShape g{x[0], x[1], x[2], x[3], w[0], w[2], w[3], s[0], s[1], p[0], p[1], 0, 0};
+  // Attributes read in place (a step allocates nothing).
+  auto pair = [&](const char* key, int64_t dflt, int64_t* a, int64_t* b) {
+    if (!in.Has(key)) {
+      *a = *b = dflt;
+      return;
+    }
+    const ir::IntList& v = in.GetInts(key);
+    *a = v[0];
+    *b = v[1];
+  };
+  ConvShape g{x[0], x[1], x[2], x[3], w[0], w[2], w[3], 1, 1, 0, 0, 0, 0};
+  pair("stride", 1, &g.sh, &g.sw);
+  pair("padding", 0, &g.ph, &g.pw);
   g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
   g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
   return g;
@@ -109,14 +120,20 @@ void Conv2dInputGrad(const ConvShape& g, const float* dy, const float* w, float*
 
 void Conv2dFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw) {
   const int64_t per_group = (g.n + kFilterGradGroups - 1) / kFilterGradGroups, size = g.o * g.k();
-  std::vector<float> parts(kFilterGradGroups * size, 0.0f);
+  // The groups' partial sums: per calling (replica) thread, grown once, so a step allocates nothing.
+  // (TBB workers see their own thread_locals: they get the pointer, not the name.)
+  thread_local std::vector<float> parts_buf;
+  if (static_cast<int64_t>(parts_buf.size()) < kFilterGradGroups * size) parts_buf.resize(kFilterGradGroups * size);
+  float* const parts = parts_buf.data();
   tbb::parallel_for(int64_t{0}, kFilterGradGroups, [&](int64_t group) {
     SingleThreadedOmp();
     float* col = Scratch(g.k() * g.p());
-    for (int64_t n = group * per_group; n < std::min(g.n, (group + 1) * per_group); ++n) {
+    const int64_t first = group * per_group, last = std::min(g.n, (group + 1) * per_group);
+    if (first >= last) std::fill_n(parts + group * size, size, 0.0f);  // no image: a zero part
+    for (int64_t n = first; n < last; ++n) {
       Im2Col(x + n * g.c * g.h * g.w, g, col);
       DnnlSgemm(false, true, g.o, g.k(), g.p(), dy + n * g.o * g.p(), g.p(), col, g.p(),
-                n == group * per_group ? 0.0f : 1.0f, parts.data() + group * size, g.k());
+                n == first ? 0.0f : 1.0f, parts + group * size, g.k());
     }
   });
   std::fill(dw, dw + size, 0.0f);

@@ -14,7 +14,8 @@ struct PoolWindow {
 };
 
 inline PoolWindow PoolWindowOf(const ir::Shape& x, const ir::Instr& pool) {
-  ir::IntList k = pool.GetInts("window"), s = pool.GetInts("stride", k);
+  const ir::IntList& k = pool.GetInts("window");  // in place: steps do not allocate
+  const ir::IntList& s = pool.Has("stride") ? pool.GetInts("stride") : k;
   return {x[0] * x[1], x[2], x[3], k[0], k[1], s[0], s[1], (x[2] - k[0]) / s[0] + 1, (x[3] - k[1]) / s[1] + 1};
 }
 

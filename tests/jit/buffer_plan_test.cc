@@ -114,21 +114,24 @@ TEST_CASE("PlanBuffers on random lifetimes is always valid", "[jit][buffers]") {
 
 namespace {
 
-dsl::Program Mlp(int64_t batch) {
-  dsl::Model m("mlp", /*seed=*/1);
+dsl::Program Model(const std::string& name, int64_t batch) {
+  dsl::Model m(name, /*seed=*/1);
   models::ModelOptions mo;
   mo.batch = batch;
   mo.hidden = {64, 32};
   mo.classes = 10;
-  return m.train(models::DefineMlp(m, mo)).optimizer(dsl::Adam().lr(1e-3)).replicas(1).build();
+  auto loss = name == "cnn" ? models::DefineCnn(m, mo) : models::DefineMlp(m, mo);
+  return m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(1).build();
 }
 
 }  // namespace
 
-TEST_CASE("an MLP step after the first allocates no buffers, and its arena is smaller than one buffer per value",
+TEST_CASE("an MLP or CNN step after the first allocates no buffers, and its arena is smaller than one buffer per value",
           "[jit][buffers]") {
   constexpr int64_t kBatch = 32;
-  dsl::Program p = Mlp(kBatch);
+  const std::string name = GENERATE(std::string("mlp"), std::string("cnn"));
+  INFO("model " << name);
+  dsl::Program p = Model(name, kBatch);
   auto step = jit::CompiledStep::Compile(p.step);
   const jit::CompileInfo& info = step->info();
   INFO("arena " << info.arena_bytes << " bytes, one buffer per value " << info.buffer_bytes << ", swapped "
@@ -138,7 +141,8 @@ TEST_CASE("an MLP step after the first allocates no buffers, and its arena is sm
   CHECK(info.swapped_bytes > 0);  // the new weights and Adam moments are swapped in, not copied
 
   const runtime::Dataset d = runtime::SyntheticClassification(2 * kBatch, 1, 28, 28, 10, /*seed=*/11);
-  runtime::BatchIterator it(d, kBatch, /*shuffle=*/false, /*seed=*/5, ir::Shape{784});
+  runtime::BatchIterator it(d, kBatch, /*shuffle=*/false, /*seed=*/5,
+                           name == "cnn" ? ir::Shape{1, 28, 28} : ir::Shape{784});
   runtime::TensorMap in;
   it.Next(&in["image"], &in["label"]);
   runtime::TensorMap vars = runtime::InitLogicalState(p.step), reference = vars;
@@ -177,7 +181,7 @@ TEST_CASE("the step driver comes out of the disk cache with the kernels and runs
   jit::JitOptions o;
   o.cache_dir = dir.string();
   o.memory_cache = false;
-  dsl::Program p = Mlp(8);
+  dsl::Program p = Model("mlp", 8);
   auto cold = jit::CompiledStep::Compile(p.step, o);
   auto warm = jit::CompiledStep::Compile(p.step, o);
   CHECK(cold->info().source == "compiled");
