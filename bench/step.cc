@@ -20,6 +20,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dsl/dsl.h"
@@ -230,7 +231,11 @@ Row BenchModel(const std::string& name, std::vector<Torch*> torches, int rounds,
   std::vector<double> jit_ms;
   std::vector<std::vector<double>> torch_ms(torches.size());
   double cpu = 0, wall = 0;
+  // Before each contender's block, a pause: the previous one's idle threads (GNU OpenMP's and TBB's
+  // spin-waits after a parallel region) must have gone to sleep, or they take a core from the next.
+  auto settle = [] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); };
   for (int r = 0; r < rounds; ++r) {
+    settle();
     for (int i = 0; i < k; ++i) {
       const double c0 = CpuSeconds();
       auto t0 = Clock::now();
@@ -241,6 +246,7 @@ Row BenchModel(const std::string& name, std::vector<Torch*> torches, int rounds,
       jit_ms.push_back(s * 1e3);
     }
     for (size_t j = 0; j < torches.size(); ++j) {
+      settle();
       auto t = torches[j]->Steps(name, k);
       torch_ms[j].insert(torch_ms[j].end(), t.begin(), t.end());
     }
