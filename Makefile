@@ -16,7 +16,7 @@ build: configure
 
 # The default training job: the MLP on Fashion-MNIST.
 train: build
-	./$(BUILD)/shardstep train --config configs/mlp.toml
+	./$(BUILD)/shardstep train --config configs/mlp.toml --metrics-out $(BUILD)/train_metrics.jsonl --plot-out $(BUILD)/train.svg
 
 # Every test: fast ones first, then the ones labelled slow.
 test: build

@@ -166,7 +166,7 @@ struct TrainFlags {
   std::string data_dir = runtime::kFashionMnistDir;
   int64_t steps = 2000;
   bool no_shuffle = false;
-  std::string save, load, save_init, metrics_out;
+  std::string save, load, save_init, metrics_out, plot_out;
   int64_t log_every = 100, eval_every = 0, eval_batch = 1000;
   std::string backend = "cpu";
 };
@@ -230,6 +230,9 @@ int RunTrain(const TrainFlags& t) {
   o.eval_every = t.eval_every;
   o.eval_batch = t.eval_batch;
   o.metrics_out = t.metrics_out;
+  o.plot_out = t.plot_out;
+  o.plot_title = Str("shardstep ", t.program.model, ", ", program.options.optimizer.ToString(), ", ",
+                     program.step.num_replicas, " replica(s), backend ", t.backend);
   o.save = t.save;
   const ir::MemoryPlan mem = ir::PlanMemory(program.step);
   o.memory = {{"weights_bytes", mem.weight_bytes},
@@ -304,6 +307,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--load", train.load, "start from this safetensors checkpoint");
   train_cmd->add_option("--save-init", train.save_init, "write the initial state to this safetensors file");
   train_cmd->add_option("--metrics-out", train.metrics_out, "write per-step metrics as JSON Lines");
+  train_cmd->add_option("--plot-out", train.plot_out, "write an SVG of the loss curve and the step-time breakdown");
   train_cmd->add_option("--log-every", train.log_every, "progress line every N steps")->check(CLI::PositiveNumber);
   train_cmd->add_option("--eval-every", train.eval_every, "evaluate every N steps (0: at the end)")->check(CLI::NonNegativeNumber);
   train_cmd->add_option("--backend", train.backend, "interp (reference interpreter) | cpu (LLVM JIT)")

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ir/error.h"
+#include "runtime/atomic_file.h"
 
 namespace shardstep::runtime {
 namespace {
@@ -31,19 +32,6 @@ const char* SafetensorsDType(ir::DType t) {
     case ir::DType::kS32: return "I32";
   }
   return "?";
-}
-
-// Writes all n bytes, retrying short writes; false with errno set on failure.
-bool WriteAll(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) return false;
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
 }
 
 std::string ReadFile(const std::string& path) {
@@ -151,33 +139,9 @@ void SaveCheckpoint(const std::string& path, const std::map<std::string, Tensor>
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
 
   // 2. Write a temporary file next to the target, fsync, rename over the target.
-  const std::string tmp = Str(path, ".tmp.", ::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(Str(path, ": cannot save checkpoint: cannot create ", tmp, ": ", std::strerror(errno)));
-  auto fail = [&](const char* step) {
-    const int e = errno;
-    if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
-    return Error(Str(path, ": cannot save checkpoint: ", step, ": ", std::strerror(e)));
-  };
-  if (!WriteAll(fd, len, sizeof(len)) || !WriteAll(fd, text.data(), text.size())) throw fail("write");
-  for (const auto& [name, t] : tensors) {
-    if (!WriteAll(fd, t.raw(), static_cast<size_t>(t.bytes()))) throw fail("write");
-  }
-  if (::fsync(fd) != 0) throw fail("fsync");
-  const int rc = ::close(fd);
-  fd = -1;
-  if (rc != 0) throw fail("close");
-  if (::rename(tmp.c_str(), path.c_str()) != 0) throw fail("rename");
-
-  // 3. Make the rename itself durable (best effort: some filesystems refuse fsync on directories).
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  std::vector<std::pair<const void*, size_t>> pieces = {{len, sizeof(len)}, {text.data(), text.size()}};
+  for (const auto& [name, t] : tensors) pieces.push_back({t.raw(), static_cast<size_t>(t.bytes())});
+  WriteFileAtomically(path, pieces, "checkpoint");
 }
 
 std::map<std::string, Tensor> LoadCheckpoint(const std::string& path,

@@ -1,8 +1,12 @@
 // The training loop.
 #include "runtime/trainer.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <ostream>
@@ -78,12 +82,19 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
       metrics << "}}\n";
     }
   }
+  if (!o.plot_out.empty()) {  // fail now, not after the run
+    const size_t slash = o.plot_out.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : o.plot_out.substr(0, slash);
+    if (::access(dir.c_str(), W_OK) != 0)
+      throw Error(Str("cannot write plot file ", o.plot_out, ": directory ", dir, ": ", std::strerror(errno)));
+  }
   TrainResult result;
   BatchIterator it(train, o.batch, o.shuffle, o.seed, o.example_shape);
   auto eval = [&](int64_t step) {
     if (!test) return;
     auto t0 = Clock::now();
     Evaluate(exec, forward_eval, *test, o.eval_batch, o.example_shape, &result.test_accuracy, &result.test_loss);
+    result.curves.evals.push_back({step, result.test_accuracy, result.test_loss});
     log << "eval  step " << step << "  test accuracy " << std::fixed << std::setprecision(4) << result.test_accuracy
         << "  test loss " << result.test_loss << "  (" << Duration(Seconds(t0, Clock::now())) << ")\n"
         << std::defaultfloat << std::flush;
@@ -105,6 +116,9 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
     const double comm_ms = (exec.CommunicationSeconds() - comm0) * 1e3;
     double loss = out.at("loss").f32[0];
     result.losses.push_back(loss);
+    result.curves.loss.push_back(loss);
+    result.curves.step_ms.push_back(Seconds(t0, t1) * 1e3);
+    result.curves.comm_ms.push_back(comm_ms);
     if (!std::isfinite(loss)) throw Error(Str("loss became ", loss, " at step ", step, " (learning rate too high?)"));
     ++window_steps;
     if (metrics)
@@ -124,6 +138,10 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
   }
   result.examples_per_second = o.steps * o.batch / Seconds(start, Clock::now());
   eval(o.steps);
+  if (!o.plot_out.empty()) {
+    WriteTrainingPlot(o.plot_out, result.curves, o.plot_title);
+    log << "wrote plot " << o.plot_out << "\n";
+  }
   if (!o.save.empty()) {
     SaveCheckpoint(o.save, exec.LogicalState());
     log << "saved checkpoint " << o.save << "\n";

@@ -10,6 +10,7 @@
 #include "ir/module.h"
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
+#include "runtime/plot.h"
 
 namespace shardstep::runtime {
 
@@ -23,6 +24,8 @@ struct TrainOptions {
   int64_t eval_every = 0;    // 0: evaluate once at the end
   int64_t eval_batch = 1000; // must divide the test set size
   std::string metrics_out;   // JSON Lines file ("" = none)
+  std::string plot_out;      // SVG of the loss curve and step-time breakdown ("" = none)
+  std::string plot_title;
   std::string save;          // checkpoint written at the end ("" = none)
   // Per-replica memory (name -> bytes), written as the first metrics line {"memory": {...}}.
   std::vector<std::pair<std::string, int64_t>> memory;
@@ -33,6 +36,7 @@ struct TrainResult {
   double test_accuracy = -1;   // last evaluation (-1 when none ran)
   double test_loss = 0;
   double examples_per_second = 0;
+  TrainingCurves curves;       // per-step loss, step and communication time; evaluations
 };
 
 // Fraction of rows of `logits` [B, C] whose arg-max equals `labels` [B].

@@ -140,5 +140,16 @@ TEST_CASE("a short run writes JSON Lines metrics and a loadable checkpoint; a co
     ++with_comm;
   }
   CHECK(with_comm == 5);
+  // --plot-out: an SVG next to the metrics; a directory that does not exist fails before training.
+  r = Run("train --config " + dir + "/run.toml --steps 20 --plot-out " + dir + "/run.svg");
+  REQUIRE(r.status == 0);
+  std::ifstream svg(dir + "/run.svg");
+  std::string head;
+  std::getline(svg, head);
+  CHECK_THAT(head, Catch::StartsWith("<svg"));
+  r = Run("train --config " + dir + "/run.toml --steps 20 --plot-out " + dir + "/no/such/dir/run.svg");
+  CHECK(r.status != 0);
+  CHECK_THAT(r.output, Catch::Contains("cannot write plot file " + dir + "/no/such/dir/run.svg"));
+  CHECK_THAT(r.output, !Catch::Contains("step 1/"));
   std::filesystem::remove_all(dir);
 }
