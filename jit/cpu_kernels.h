@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "ir/module.h"
-#include "runtime/pool_window.h"
+#include "jit/pool_window.h"
 
 namespace shardstep::jit {
 

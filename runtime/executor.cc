@@ -86,6 +86,14 @@ void ReplicatedExecutor::LoadLogicalState(const TensorMap& state) {
   for (int r = 0; r < n_; ++r) states_[r] = ReplicaState(layout_, state, r);
 }
 
+XtensorMap Executor::Step(const XtensorMap& inputs, const XtensorS32Map& s32_inputs) {
+  return ToXtensor(Step(FromXtensor(inputs, s32_inputs)));
+}
+
+XtensorMap Executor::LogicalStateXt() const { return ToXtensor(LogicalState()); }
+
+void Executor::LoadLogicalState(const XtensorMap& state) { LoadLogicalState(FromXtensor(state, LogicalState())); }
+
 std::unique_ptr<Executor> MakeInterpreterExecutor(const ir::Module& step, const TensorMap& logical_state) {
   return std::make_unique<InterpreterExecutor>(step, logical_state);
 }

@@ -9,6 +9,7 @@
 #include "ir/module.h"
 #include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
+#include "runtime/xtensor_io.h"
 
 namespace shardstep::runtime {
 
@@ -30,6 +31,13 @@ class Executor {
   // Replicas leave every collective together, so communication and computation do not overlap and
   // step time = communication + computation exactly (for benchmarks; one more rendezvous each).
   virtual void SetPhaseTiming(bool on) {}
+
+  // The same calls with xtensor containers (runtime/xtensor_io.h), built on the ones above: a step
+  // on f32 and s32 input arrays (e.g. images and labels) returning the outputs; the logical state as
+  // float arrays (the s32 step counter converted exactly), and loaded back with the current dtypes.
+  XtensorMap Step(const XtensorMap& inputs, const XtensorS32Map& s32_inputs = {});
+  XtensorMap LogicalStateXt() const;
+  void LoadLogicalState(const XtensorMap& state);
 };
 
 // What every in-process backend shares: one thread per replica (none for a single replica), the
@@ -37,6 +45,8 @@ class Executor {
 // conversion between the logical state and the shards. A backend supplies one replica's step.
 class ReplicatedExecutor : public Executor {
  public:
+  using Executor::LoadLogicalState;  // the xtensor overloads
+  using Executor::Step;
   TensorMap Step(const TensorMap& global_inputs) final;
   TensorMap LogicalState() const final;
   void LoadLogicalState(const TensorMap& state) final;

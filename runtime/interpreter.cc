@@ -1,4 +1,6 @@
 // The reference interpreter: one kernel per op of ir/ops.def, dispatched by a switch with no default.
+// Written on xtensor (tensors adapted in place, data movement and pooling windows as views) with
+// plain loops for the contractions, single-threaded: an oracle that shares no kernel with the JIT.
 //
 // Conventions every later backend must reproduce (to the bit where noted):
 //  - s32 arithmetic wraps (two's complement); s32 division truncates and rejects a zero divisor.
@@ -6,24 +8,34 @@
 //    toward zero and saturates (NaN -> 0).
 //  - reduce_sum/mean accumulate in double in increasing input index order; reduce_max, max_pool take
 //    the first maximum (a NaN counts as a maximum).
-//  - conv2d = im2col + sgemm per image; the filter gradient sums fixed groups of images, then adds the
-//    groups in order.
+// Backends may round differently (but must stay within rounding of these results) where:
+//  - matmul and conv2d (and its gradients) accumulate their products in double, in index order of
+//    the contracted dimensions, and round once; avg_pool and its gradient also sum in double.
 #include "runtime/interpreter.h"
-#include "runtime/pool_window.h"
 
-#include <dnnl.h>
-#include <omp.h>
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
+#include <xtensor/xadapt.hpp>
+#include <xtensor/xarray.hpp>
+#include <xtensor/xbroadcast.hpp>
+#include <xtensor/xbuilder.hpp>
+#include <xtensor/xmanipulation.hpp>
+#include <xtensor/xmath.hpp>
+#include <xtensor/xnoalias.hpp>
+#include <xtensor/xstrided_view.hpp>
+#include <xtensor/xtensor.hpp>
+#include <xtensor/xvectorize.hpp>
+#include <xtensor/xview.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
-#include <cstring>
+#include <cstddef>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 
 #include "ir/error.h"
 #include "ir/shape_inference.h"
+#include "runtime/xtensor_io.h"
 
 namespace shardstep::runtime {
 namespace {
@@ -32,29 +44,17 @@ using ir::DType;
 using ir::Instr;
 using ir::IntList;
 using ir::OpCode;
-using ir::Shape;
 using ir::TensorType;
-using Strides = std::vector<int64_t>;
 using Operands = std::vector<const Tensor*>;
+using Index = std::ptrdiff_t;
+using Matrix = xt::xtensor<double, 2>;
+using Image = xt::xtensor<double, 4>;  // NCHW activations, OIHW filters
 
-constexpr int64_t kGrain = 1 << 14;  // elements per parallel task
-
-// ---- Typed access and parallel loops ----
-
-template <typename T>
-const T* Data(const Tensor& t) {
-  if constexpr (std::is_same_v<T, float>) return t.f32.data();
-  else return t.s32.data();
-}
-template <typename T>
-T* Data(Tensor& t) {
-  if constexpr (std::is_same_v<T, float>) return t.f32.data();
-  else return t.s32.data();
-}
+// ---- Typed dispatch ----
 
 // Calls f(T{}) with T = float for f32 and int32_t for s32.
 template <typename F>
-Tensor WithType(DType dtype, F&& f) {
+Tensor Typed(DType dtype, F&& f) {
   switch (dtype) {
     case DType::kF32: return f(float{});
     case DType::kS32: return f(int32_t{});
@@ -63,33 +63,30 @@ Tensor WithType(DType dtype, F&& f) {
   return {};
 }
 
-// body(lo, hi) over [0, n) in chunks; the chunks write disjoint outputs, so the result is deterministic.
-template <typename F>
-void ParallelRange(int64_t n, int64_t grain, F body) {
-  if (n <= grain) {
-    if (n > 0) body(int64_t{0}, n);
-    return;
-  }
-  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, grain),
-                    [&](const tbb::blocked_range<int64_t>& r) { body(r.begin(), r.end()); });
-}
+// Assignments into views and new tensors below never alias their right-hand side, so they skip
+// xtensor's temporary (xt::noalias). That also avoids xtensor 0.24's temporary for a strided view,
+// which has rank 4 whatever the view's rank.
 
-// o[i] = f(i) for i in [lo, hi). The fixed-length inner loop over a __restrict output lets -O2
-// vectorise it (branch-free selects matter: relu on random data is 10x faster).
-template <typename T, typename F>
-void Fill(T* __restrict o, int64_t lo, int64_t hi, F& f) {
-  int64_t i = lo;
-  for (; i + 16 <= hi; i += 16)
-    for (int k = 0; k < 16; ++k) o[i + k] = f(i + k);
-  for (; i < hi; ++i) o[i] = f(i);
-}
-
-// A tensor of `type` whose element i is f(i).
-template <typename T, typename F>
-Tensor Generate(const TensorType& type, F f) {
+// A tensor of `type` holding the values of the xtensor expression `e` (of the same shape).
+template <typename T, class E>
+Tensor Make(const TensorType& type, E&& e) {
   Tensor out(type);
-  T* o = Data<T>(out);
-  ParallelRange(out.elements(), kGrain, [&](int64_t lo, int64_t hi) { Fill(o, lo, hi, f); });
+  xt::noalias(View<T>(out)) = std::forward<E>(e);
+  return out;
+}
+
+// A copy of `a` with the instruction's type (same elements in the same order).
+Tensor Reshape(const Instr& in, const Tensor& a) {
+  Tensor out = a;
+  out.type = in.type;
+  return out;
+}
+
+// A tensor of `type` with every element `value`.
+template <typename T>
+Tensor Filled(const TensorType& type, T value) {
+  Tensor out(type);
+  View<T>(out).fill(value);
   return out;
 }
 
@@ -109,11 +106,10 @@ float NegOf(float a) { return -a; }
 int32_t NegOf(int32_t a) { return Wrap(-int64_t{a}); }
 float AbsOf(float a) { return std::fabs(a); }
 int32_t AbsOf(int32_t a) { return Wrap(a < 0 ? -int64_t{a} : a); }
-// NaN wins. Non-short-circuit | keeps these branch-free.
 template <typename T>
-T MaxOf(T a, T b) { return (a > b) | (a != a) ? a : b; }
+T MaxOf(T a, T b) { return a > b || a != a ? a : b; }  // NaN wins
 template <typename T>
-T MinOf(T a, T b) { return (a < b) | (a != a) ? a : b; }
+T MinOf(T a, T b) { return a < b || a != a ? a : b; }
 
 int32_t ToS32(double v) {  // truncation toward zero, saturating
   if (std::isnan(v)) return 0;
@@ -122,464 +118,353 @@ int32_t ToS32(double v) {  // truncation toward zero, saturating
   return static_cast<int32_t>(v);
 }
 
-// ---- Elementwise kernels ----
+// ---- Elementwise ----
 
-template <typename F>
-Tensor UnaryF32(const Instr& in, const Tensor& a, F f) {
-  const float* x = a.f32.data();
-  return Generate<float>(in.type, [&](int64_t i) { return f(x[i]); });
+// out = f(a, b, ...) element by element, for operands and result of element type T.
+template <typename T, typename F, typename... Ts>
+Tensor Map(const TensorType& type, F f, const Ts&... operands) {
+  auto typed = [f](std::conditional_t<true, T, Ts>... x) -> T { return static_cast<T>(f(x...)); };
+  return Make<T>(type, xt::vectorize(typed)(View<T>(operands)...));
 }
 
-// f is generic over float and int32_t and returns the same type.
-template <typename F>
-Tensor Unary(const Instr& in, const Tensor& a, F f) {
-  return WithType(a.dtype(), [&](auto t) {
-    using T = decltype(t);
-    const T* x = Data<T>(a);
-    return Generate<T>(in.type, [&](int64_t i) { return static_cast<T>(f(x[i])); });
-  });
+// The same for f generic over float and int32_t, at the operands' dtype.
+template <typename F, typename... Ts>
+Tensor MapAny(const Instr& in, F f, const Tensor& a, const Ts&... rest) {
+  return Typed(a.dtype(), [&](auto t) { return Map<decltype(t)>(in.type, f, a, rest...); });
 }
 
-template <typename F>
-Tensor Binary(const Instr& in, const Tensor& a, const Tensor& b, F f) {
-  return WithType(a.dtype(), [&](auto t) {
-    using T = decltype(t);
-    const T *x = Data<T>(a), *y = Data<T>(b);
-    return Generate<T>(in.type, [&](int64_t i) { return static_cast<T>(f(x[i], y[i])); });
-  });
-}
+template <class E>
+Tensor F32(const Instr& in, E&& e) { return Make<float>(in.type, std::forward<E>(e)); }
 
 Tensor Divide(const Instr& in, const Tensor& a, const Tensor& b) {
-  if (b.dtype() == DType::kS32 && std::find(b.s32.begin(), b.s32.end(), 0) != b.s32.end())
-    throw Error("s32 division by zero");
-  return Binary(in, a, b, [](auto x, auto y) { return DivOf(x, y); });
+  if (b.dtype() == DType::kS32 && xt::any(xt::equal(View<int32_t>(b), 0))) throw Error("s32 division by zero");
+  return MapAny(in, [](auto x, auto y) { return DivOf(x, y); }, a, b);
 }
 
 Tensor Convert(const Instr& in, const Tensor& a) {
-  return WithType(in.type.dtype, [&](auto t) {
-    using T = decltype(t);
-    return Generate<T>(in.type, [&](int64_t i) -> T {
-      if constexpr (std::is_same_v<T, float>) return static_cast<float>(a.at(i));
-      else return a.dtype() == DType::kS32 ? a.s32[i] : ToS32(a.f32[i]);
-    });
-  });
+  if (in.type.dtype == a.dtype()) return Reshape(in, a);  // a copy
+  if (in.type.dtype == DType::kF32) return F32(in, xt::cast<float>(View<int32_t>(a)));
+  return Make<int32_t>(in.type, xt::vectorize([](float v) { return ToS32(v); })(View<float>(a)));
 }
 
+// select(cond != 0, a, b); a NaN condition is true.
 Tensor Select(const Instr& in, const Tensor& cond, const Tensor& a, const Tensor& b) {
-  std::vector<uint8_t> pick(cond.elements());
-  for (int64_t i = 0; i < cond.elements(); ++i) pick[i] = cond.at(i) != 0;
-  return WithType(a.dtype(), [&](auto t) {
+  const xt::xarray<bool> pick = cond.dtype() == DType::kF32 ? xt::xarray<bool>(xt::not_equal(View<float>(cond), 0.0f))
+                                                            : xt::xarray<bool>(xt::not_equal(View<int32_t>(cond), 0));
+  return Typed(a.dtype(), [&](auto t) {
     using T = decltype(t);
-    const T *x = Data<T>(a), *y = Data<T>(b);
-    return Generate<T>(in.type, [&](int64_t i) { return pick[i] ? x[i] : y[i]; });
+    return Make<T>(in.type, xt::where(pick, View<T>(a), View<T>(b)));
   });
 }
 
-// ---- Data movement: every op is a strided copy ----
+// ---- Data movement ----
 
-Strides RowMajor(const Shape& s) {
-  Strides st(s.size());
-  int64_t acc = 1;
-  for (int64_t i = static_cast<int64_t>(s.size()) - 1; i >= 0; --i) st[i] = acc, acc *= s[i];
-  return st;
-}
-
-// Walks the index space `shape` in row-major order, calling row(a, b) with the offsets of each
-// innermost row in two strided layouts; the caller loops over the last dimension itself.
-template <typename F>
-void ForEachRow(Shape shape, Strides a, Strides b, F row) {
-  if (ir::NumElements(shape) == 0) return;
-  if (shape.empty()) {  // a scalar is one row of one element
-    shape = {1};
-    a = b = {0};
-  }
-  const int64_t rank = static_cast<int64_t>(shape.size());
-  std::vector<int64_t> idx(rank, 0);
-  int64_t oa = 0, ob = 0;
-  for (;;) {
-    row(oa, ob);
-    int64_t d = rank - 2;
-    for (; d >= 0; --d) {
-      oa += a[d], ob += b[d];
-      if (++idx[d] < shape[d]) break;
-      oa -= a[d] * shape[d], ob -= b[d] * shape[d], idx[d] = 0;
-    }
-    if (d < 0) return;
-  }
-}
-
-// dst viewed with strides ds = src viewed with strides ss, over `shape`.
-template <typename T>
-void StridedCopy(const Shape& shape, const T* src, const Strides& ss, T* dst, const Strides& ds) {
-  const int64_t n = shape.empty() ? 1 : shape.back();
-  const int64_t si = ss.empty() ? 0 : ss.back(), di = ds.empty() ? 0 : ds.back();
-  ForEachRow(shape, ss, ds, [&](int64_t a, int64_t b) {
-    for (int64_t k = 0; k < n; ++k) dst[b + k * di] = src[a + k * si];
-  });
-}
-
-// out = a copy of `a` read through (offset, strides) into out's row-major layout.
-Tensor Gather(const TensorType& type, const Tensor& a, int64_t offset, const Strides& strides) {
-  Tensor out(type);
-  WithType(a.dtype(), [&](auto t) {
-    using T = decltype(t);
-    StridedCopy(type.shape, Data<T>(a) + offset, strides, Data<T>(out), RowMajor(type.shape));
-    return Tensor();
-  });
-  return out;
-}
-
-// Writes all of `a` into `out` at element offset `offset` with out's row-major strides.
-void Place(Tensor& out, int64_t offset, const Tensor& a) {
-  WithType(a.dtype(), [&](auto t) {
-    using T = decltype(t);
-    StridedCopy(a.shape(), Data<T>(a), RowMajor(a.shape()), Data<T>(out) + offset, RowMajor(out.shape()));
-    return Tensor();
-  });
-}
-
-Tensor Broadcast(const Instr& in, const Tensor& a) {  // operand dim i -> output dim dims[i]
+// Operand dimension i becomes output dimension dims[i] (dims increasing); the others are repeats.
+Tensor Broadcast(const Instr& in, const Tensor& a) {
   const IntList& dims = in.GetInts("dims");
-  Strides is = RowMajor(a.shape()), ss(in.type.rank(), 0);
-  for (size_t i = 0; i < dims.size(); ++i) ss[dims[i]] = is[i];
-  return Gather(in.type, a, 0, ss);
+  std::vector<std::size_t> with_ones(in.type.rank(), 1);
+  for (size_t i = 0; i < dims.size(); ++i) with_ones[dims[i]] = a.shape()[i];
+  return Typed(a.dtype(), [&](auto t) {
+    using T = decltype(t);
+    if (a.elements() == 1) return Filled<T>(in.type, View<T>(a).data()[0]);  // the common scalar case, fast
+    return Make<T>(in.type, xt::broadcast(xt::reshape_view(View<T>(a), with_ones), XShape(in.type.shape)));
+  });
 }
 
 Tensor Transpose(const Instr& in, const Tensor& a) {  // out dim i = in dim perm[i]
   const IntList& perm = in.GetInts("perm");
-  Strides is = RowMajor(a.shape()), ss(perm.size());
-  for (size_t i = 0; i < perm.size(); ++i) ss[i] = is[perm[i]];
-  return Gather(in.type, a, 0, ss);
+  const std::vector<std::size_t> p(perm.begin(), perm.end());
+  return Typed(a.dtype(), [&](auto t) { return Make<decltype(t)>(in.type, xt::transpose(View<decltype(t)>(a), p)); });
 }
 
 Tensor Slice(const Instr& in, const Tensor& a) {
-  const IntList& start = in.GetInts("start");
-  Strides is = RowMajor(a.shape());
-  int64_t offset = 0;
-  for (size_t i = 0; i < start.size(); ++i) offset += start[i] * is[i];
-  return Gather(in.type, a, offset, is);
+  const IntList &start = in.GetInts("start"), &limit = in.GetInts("limit");
+  xt::xstrided_slice_vector window;
+  for (size_t i = 0; i < start.size(); ++i) window.push_back(xt::range(Index{start[i]}, Index{limit[i]}));
+  return Typed(a.dtype(), [&](auto t) { return Make<decltype(t)>(in.type, xt::strided_view(View<decltype(t)>(a), window)); });
+}
+
+// `a` placed at offset `low` in a zero array of shape a.shape + low + high (the caller's `out`).
+template <class O, class E>
+void PadInto(O&& out, const E& a, const IntList& low) {
+  xt::xstrided_slice_vector inner;
+  for (size_t d = 0; d < low.size(); ++d) inner.push_back(xt::range(Index{low[d]}, Index(low[d] + a.shape()[d])));
+  xt::noalias(xt::strided_view(out, inner)) = a;
 }
 
 Tensor Pad(const Instr& in, const Tensor& a) {
-  const IntList& low = in.GetInts("low");
   Tensor out(in.type);
-  Strides os = RowMajor(in.type.shape);
-  int64_t offset = 0;
-  for (size_t i = 0; i < low.size(); ++i) offset += low[i] * os[i];
-  Place(out, offset, a);
+  Typed(a.dtype(), [&](auto t) {
+    PadInto(View<decltype(t)>(out), View<decltype(t)>(a), in.GetInts("low"));
+    return Tensor();
+  });
   return out;
 }
 
 Tensor Concat(const Instr& in, const Operands& parts) {
   const int64_t axis = in.GetInt("axis");
   Tensor out(in.type);
-  const int64_t stride = RowMajor(in.type.shape)[axis];
-  int64_t at = 0;
-  for (const Tensor* p : parts) {
-    Place(out, at * stride, *p);
-    at += p->shape()[axis];
-  }
-  return out;
-}
-
-Tensor Reshape(const Instr& in, const Tensor& a) {
-  Tensor out = a;
-  out.type = in.type;
+  Typed(out.dtype(), [&](auto t) {
+    using T = decltype(t);
+    auto o = View<T>(out);
+    Index at = 0;
+    for (const Tensor* p : parts) {
+      xt::xstrided_slice_vector place(in.type.rank(), xt::all());
+      place[axis] = xt::range(at, at + p->shape()[axis]);
+      xt::noalias(xt::strided_view(o, place)) = View<T>(*p);
+      at += p->shape()[axis];
+    }
+    return Tensor();
+  });
   return out;
 }
 
 // ---- Reductions ----
 
-// Reduces `axes` away. Each output element folds its inputs in increasing input index order.
+// Reduces `axes` away. The input is transposed so that each output element's inputs form one
+// contiguous row in increasing input index order; each row is folded from left to right.
 Tensor Reduce(const Instr& in, const Tensor& a) {
   const IntList& axes = in.GetInts("axes");
-  const Shape& shape = a.shape();
-  Strides is = RowMajor(shape), os = RowMajor(in.type.shape), acc_strides(shape.size(), 0);
-  int64_t count = 1;
-  for (size_t d = 0, j = 0; d < shape.size(); ++d) {
-    if (std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d))) count *= shape[d];
-    else acc_strides[d] = os[j++];
-  }
-  const int64_t n = shape.empty() ? 1 : shape.back(), inner = acc_strides.empty() ? 0 : acc_strides.back();
+  std::vector<std::size_t> kept_then_reduced;
+  Index count = 1;
+  for (int64_t d = 0; d < a.type.rank(); ++d)
+    if (!std::binary_search(axes.begin(), axes.end(), d)) kept_then_reduced.push_back(d);
+  for (int64_t d : axes) kept_then_reduced.push_back(d), count *= a.shape()[d];
 
-  return WithType(a.dtype(), [&](auto t) {
+  return Typed(a.dtype(), [&](auto t) {
     using T = decltype(t);
-    const T* x = Data<T>(a);
-    if (in.op == OpCode::kReduceMax) {
-      std::vector<T> acc(in.type.elements(), std::numeric_limits<T>::lowest());
-      if constexpr (std::is_same_v<T, float>) std::fill(acc.begin(), acc.end(), -INFINITY);
-      ForEachRow(shape, is, acc_strides, [&](int64_t src, int64_t dst) {
-        for (int64_t k = 0; k < n; ++k) acc[dst + k * inner] = MaxOf(acc[dst + k * inner], x[src + k]);
-      });
-      Tensor out(in.type);
-      std::copy(acc.begin(), acc.end(), Data<T>(out));
-      return out;
-    }
-    std::vector<double> acc(in.type.elements(), 0.0);
-    ForEachRow(shape, is, acc_strides, [&](int64_t src, int64_t dst) {
-      if (inner == 0) {
-        double s = acc[dst];
-        for (int64_t k = 0; k < n; ++k) s += x[src + k];
-        acc[dst] = s;
-      } else {
-        for (int64_t k = 0; k < n; ++k) acc[dst + k * inner] += x[src + k];
+    const xt::xarray<T> rows = xt::transpose(View<T>(a), kept_then_reduced);
+    auto row = [&](Index i) { return rows.data() + i * count; };
+    Tensor out(in.type);
+    T* o = View<T>(out).data();
+    for (Index i = 0; i < out.elements(); ++i) {
+      if (in.op == OpCode::kReduceMax) {
+        const T lowest = std::is_same_v<T, float> ? -INFINITY : std::numeric_limits<T>::lowest();
+        o[i] = std::accumulate(row(i), row(i) + count, lowest, [](T m, T x) { return MaxOf(m, x); });
+        continue;
       }
-    });
-    const bool mean = in.op == OpCode::kReduceMean;
-    return Generate<T>(in.type, [&](int64_t i) -> T {
-      double v = mean ? (count ? acc[i] / count : (std::is_same_v<T, float> ? NAN : 0.0)) : acc[i];
-      if constexpr (std::is_same_v<T, float>) return static_cast<float>(v);
-      else return mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
-    });
-  });
-}
-
-// ---- Matmul and convolution (BLAS) ----
-//
-// BLAS runs single-threaded (set once, process-wide): OpenBLAS's own workers busy-wait between calls
-// and would fight TBB's workers and the replica threads for the cores. We parallelise instead over
-// independent blocks (rows of a matmul, images of a convolution) whose boundaries depend only on the
-// shapes, so results do not depend on the number of threads.
-
-// Row-major C[m,n] = op(A)[m,k] * op(B)[k,n] + beta * C.
-void Sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-           int64_t ldb, float beta, float* c, int64_t ldc) {
-  // oneDNN's sgemm (about 4x Debian's OpenBLAS on this CPU, which falls back to generic kernels).
-  // It runs on OpenMP; one OpenMP thread per calling thread, since TBB and the replicas own the cores.
-  thread_local const bool single_threaded = (omp_set_num_threads(1), true);
-  (void)single_threaded;
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (beta == 0) std::fill(c, c + m * ldc, 0.0f);
-    return;
-  }
-  dnnl_status_t st = dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, 1.0f, a, std::max<int64_t>(lda, 1), b,
-                                std::max<int64_t>(ldb, 1), beta, c, std::max<int64_t>(ldc, 1));
-  SS_CHECK(st == dnnl_success, "dnnl_sgemm failed with status ", static_cast<int>(st));
-}
-
-Tensor Matmul(const Instr& in, const Tensor& a, const Tensor& b) {
-  const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
-  Tensor out(in.type);
-  const int64_t m = in.type.shape[0], n = in.type.shape[1], k = ta ? a.shape()[0] : a.shape()[1];
-  const int64_t lda = a.shape()[1];
-  // Blocks of rows of C, each one sgemm: about 4M multiply-adds per block.
-  const int64_t rows = std::max<int64_t>(1, (int64_t{1} << 22) / std::max<int64_t>(n * k, 1));
-  ParallelRange((m + rows - 1) / rows, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t blk = lo; blk < hi; ++blk) {
-      const int64_t r0 = blk * rows, mb = std::min(rows, m - r0);
-      const float* a0 = a.f32.data() + (ta ? r0 : r0 * lda);  // row r0 of op(A)
-      Sgemm(ta, tb, mb, n, k, a0, lda, b.f32.data(), b.shape()[1], 0.0f, out.f32.data() + r0 * n, n);
+      const double sum = std::accumulate(row(i), row(i) + count, 0.0);
+      if (in.op == OpCode::kReduceSum) o[i] = std::is_same_v<T, float> ? static_cast<T>(sum) : Wrap(int64_t(sum));
+      else if (count == 0) o[i] = std::is_same_v<T, float> ? NAN : 0;
+      else o[i] = static_cast<T>(sum / count);
     }
+    return out;
   });
-  return out;
 }
 
-struct ConvGeometry {
-  int64_t n, c, h, w;      // input NCHW
-  int64_t o, kh, kw;       // filter OIHW (I = c)
-  int64_t sh, sw, ph, pw;  // stride, padding
-  int64_t oh, ow;          // output spatial size
-  int64_t k() const { return c * kh * kw; }  // im2col rows
-  int64_t p() const { return oh * ow; }      // output positions per image
+// ---- Matmul and convolution: products summed in double, in index order ----
+
+// A matmul operand as a double matrix, transposed if asked.
+Matrix MatrixOf(const Tensor& t, bool transpose) {
+  const std::array<std::size_t, 2> shape{std::size_t(t.shape()[0]), std::size_t(t.shape()[1])};
+  const Matrix m = xt::cast<double>(xt::adapt(t.f32.data(), shape));
+  return transpose ? Matrix(xt::transpose(m)) : m;
+}
+
+// out[i,j] = sum over l of a[i,l] * b[l,j].
+Tensor Matmul(const Instr& in, const Tensor& a, const Tensor& b) {
+  const Matrix x = MatrixOf(a, in.GetInt("transpose_a", 0) != 0), y = MatrixOf(b, in.GetInt("transpose_b", 0) != 0);
+  Matrix acc = xt::zeros<double>({x.shape(0), y.shape(1)});
+  for (std::size_t i = 0; i < x.shape(0); ++i)
+    for (std::size_t l = 0; l < x.shape(1); ++l)
+      for (std::size_t j = 0; j < y.shape(1); ++j) acc(i, j) += x(i, l) * y(l, j);
+  return F32(in, xt::cast<float>(acc));
+}
+
+struct Conv {
+  Index sh, sw, ph, pw;
+  explicit Conv(const Instr& in) {
+    const IntList s = in.GetInts("stride", {1, 1}), p = in.GetInts("padding", {0, 0});
+    sh = s[0], sw = s[1], ph = p[0], pw = p[1];
+  }
+  // The input in double, zero-padded.
+  Image Padded(const Tensor& x) const {
+    const ir::Shape& s = x.shape();
+    Image xp = xt::zeros<double>({s[0], s[1], s[2] + 2 * ph, s[3] + 2 * pw});
+    PadInto(xp, xt::cast<double>(View<float>(x)), {0, 0, ph, pw});
+    return xp;
+  }
 };
 
-ConvGeometry Geometry(const Shape& x, const Shape& w, const Instr& in) {
-  IntList s = in.GetInts("stride", {1, 1}), p = in.GetInts("padding", {0, 0});
-  ConvGeometry g{x[0], x[1], x[2], x[3], w[0], w[2], w[3], s[0], s[1], p[0], p[1], 0, 0};
-  g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
-  g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
-  return g;
-}
+Image ImageOf(const Tensor& t) { return xt::cast<double>(View<float>(t)); }
 
-// One image at a time, so the im2col matrix stays in cache and the sgemm result [O, P] is already the
-// image's slice of an NCHW tensor.
-
-// col[(c,i,j), p] = zero-padded x[c, oh*sh - ph + i, ow*sw - pw + j] for one image x [C, H, W].
-void Im2Col(const float* x, const ConvGeometry& g, float* col) {
-  for (int64_t c = 0; c < g.c; ++c)
-    for (int64_t i = 0; i < g.kh; ++i)
-      for (int64_t j = 0; j < g.kw; ++j) {
-        float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
-        for (int64_t y = 0; y < g.oh; ++y) {
-          const int64_t iy = y * g.sh - g.ph + i;
-          float* dst = row + y * g.ow;
-          for (int64_t xx = 0; xx < g.ow; ++xx) {
-            const int64_t ix = xx * g.sw - g.pw + j;
-            dst[xx] = (iy >= 0 && iy < g.h && ix >= 0 && ix < g.w) ? x[(c * g.h + iy) * g.w + ix] : 0.0f;
-          }
-        }
-      }
-}
-
-// The adjoint of Im2Col: dx += col2im(col), in a fixed order.
-void Col2Im(const float* col, const ConvGeometry& g, float* dx) {
-  for (int64_t c = 0; c < g.c; ++c)
-    for (int64_t i = 0; i < g.kh; ++i)
-      for (int64_t j = 0; j < g.kw; ++j) {
-        const float* row = col + ((c * g.kh + i) * g.kw + j) * g.p();
-        for (int64_t y = 0; y < g.oh; ++y) {
-          const int64_t iy = y * g.sh - g.ph + i;
-          if (iy < 0 || iy >= g.h) continue;
-          for (int64_t xx = 0; xx < g.ow; ++xx) {
-            const int64_t ix = xx * g.sw - g.pw + j;
-            if (ix >= 0 && ix < g.w) dx[(c * g.h + iy) * g.w + ix] += row[y * g.ow + xx];
-          }
-        }
-      }
-}
-
-// y[n,o] = sum_{c,i,j} w[o,c,i,j] * x[n, c, oh*sh - ph + i, ow*sw - pw + j]   (x zero-padded)
+// y[n,o,p,q] = sum over (c,i,j) of w[o,c,i,j] * xp[n, c, p*sh + i, q*sw + j]   (xp: x zero-padded)
 Tensor Conv2d(const Instr& in, const Tensor& x, const Tensor& w) {
-  const ConvGeometry g = Geometry(x.shape(), w.shape(), in);
-  Tensor y(in.type);
-  ParallelRange(g.n, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> col(g.k() * g.p());
-    for (int64_t n = lo; n < hi; ++n) {
-      Im2Col(x.f32.data() + n * g.c * g.h * g.w, g, col.data());
-      Sgemm(false, false, g.o, g.p(), g.k(), w.f32.data(), g.k(), col.data(), g.p(), 0.0f,
-            y.f32.data() + n * g.o * g.p(), g.p());
-    }
-  });
-  return y;
+  const Conv g(in);
+  const Image xp = g.Padded(x), wd = ImageOf(w);
+  Image y = xt::zeros<double>(XShape(in.type.shape));
+  const auto [N, O, P, Q] = y.shape();
+  const auto [_, C, KH, KW] = wd.shape();
+  for (std::size_t n = 0; n < N; ++n)
+    for (std::size_t o = 0; o < O; ++o)
+      for (std::size_t c = 0; c < C; ++c)
+        for (std::size_t i = 0; i < KH; ++i)
+          for (std::size_t j = 0; j < KW; ++j) {
+            const double weight = wd(o, c, i, j);
+            for (std::size_t p = 0; p < P; ++p)
+              for (std::size_t q = 0; q < Q; ++q) y(n, o, p, q) += weight * xp(n, c, p * g.sh + i, q * g.sw + j);
+          }
+  return F32(in, xt::cast<float>(y));
 }
 
-// dx[n] = col2im(w^T dy[n]).
+// The adjoint: dxp[n, c, p*sh + i, q*sw + j] += w[o,c,i,j] * dy[n,o,p,q] in order of (o,i,j); dx is
+// dxp without its padding.
 Tensor Conv2dInputGrad(const Instr& in, const Tensor& dy, const Tensor& w) {
-  const ConvGeometry g = Geometry(in.type.shape, w.shape(), in);
-  Tensor dx(in.type);
-  ParallelRange(g.n, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> dcol(g.k() * g.p());
-    for (int64_t n = lo; n < hi; ++n) {
-      Sgemm(true, false, g.k(), g.p(), g.o, w.f32.data(), g.k(), dy.f32.data() + n * g.o * g.p(), g.p(), 0.0f,
-            dcol.data(), g.p());
-      Col2Im(dcol.data(), g, dx.f32.data() + n * g.c * g.h * g.w);
-    }
-  });
-  return dx;
+  const Conv g(in);
+  const Image d = ImageOf(dy), wd = ImageOf(w);
+  const auto [N, O, P, Q] = d.shape();
+  const auto [_, C, KH, KW] = wd.shape();
+  const Index H = in.type.shape[2], W = in.type.shape[3];
+  Image dxp = xt::zeros<double>({N, C, std::size_t(H + 2 * g.ph), std::size_t(W + 2 * g.pw)});
+  for (std::size_t n = 0; n < N; ++n)
+    for (std::size_t c = 0; c < C; ++c)
+      for (std::size_t o = 0; o < O; ++o)
+        for (std::size_t i = 0; i < KH; ++i)
+          for (std::size_t j = 0; j < KW; ++j) {
+            const double weight = wd(o, c, i, j);
+            for (std::size_t p = 0; p < P; ++p)
+              for (std::size_t q = 0; q < Q; ++q) dxp(n, c, p * g.sh + i, q * g.sw + j) += weight * d(n, o, p, q);
+          }
+  const auto unpadded = xt::strided_view(dxp, {xt::all(), xt::all(), xt::range(g.ph, g.ph + H), xt::range(g.pw, g.pw + W)});
+  return F32(in, xt::cast<float>(unpadded));
 }
 
-// dw = sum_n dy[n] im2col(x[n])^T. The images are split into kFilterGradGroups fixed groups (summed
-// in parallel, each in image order), then the groups' sums are added in group order.
-constexpr int64_t kFilterGradGroups = 8;
-
+// dw[o,c,i,j] = sum over (n,p,q) of dy[n,o,p,q] * xp[n, c, p*sh + i, q*sw + j].
 Tensor Conv2dFilterGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
-  const ConvGeometry g = Geometry(x.shape(), in.type.shape, in);
-  Tensor dw(in.type);
-  const int64_t per_group = (g.n + kFilterGradGroups - 1) / kFilterGradGroups;
-  std::vector<std::vector<float>> partial(kFilterGradGroups, std::vector<float>(dw.elements()));
-  ParallelRange(kFilterGradGroups, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> col(g.k() * g.p());
-    for (int64_t group = lo; group < hi; ++group)
-      for (int64_t n = group * per_group; n < std::min(g.n, (group + 1) * per_group); ++n) {
-        Im2Col(x.f32.data() + n * g.c * g.h * g.w, g, col.data());
-        Sgemm(false, true, g.o, g.k(), g.p(), dy.f32.data() + n * g.o * g.p(), g.p(), col.data(), g.p(),
-              n == group * per_group ? 0.0f : 1.0f, partial[group].data(), g.k());
-      }
-  });
-  for (const auto& p : partial)
-    for (int64_t j = 0; j < dw.elements(); ++j) dw.f32[j] += p[j];
-  return dw;
+  const Conv g(in);
+  const Image xp = g.Padded(x), d = ImageOf(dy);
+  Image dw = xt::zeros<double>(XShape(in.type.shape));
+  const auto [O, C, KH, KW] = dw.shape();
+  const auto [N, _, P, Q] = d.shape();
+  for (std::size_t o = 0; o < O; ++o)
+    for (std::size_t c = 0; c < C; ++c)
+      for (std::size_t i = 0; i < KH; ++i)
+        for (std::size_t j = 0; j < KW; ++j)
+          for (std::size_t n = 0; n < N; ++n)
+            for (std::size_t p = 0; p < P; ++p)
+              for (std::size_t q = 0; q < Q; ++q) dw(o, c, i, j) += d(n, o, p, q) * xp(n, c, p * g.sh + i, q * g.sw + j);
+  return F32(in, xt::cast<float>(dw));
 }
 
 // ---- Pooling (no padding) ----
 
-using PoolGeometry = PoolWindow;
-PoolGeometry PoolGeom(const Shape& x, const Instr& in) { return PoolWindowOf(x, in); }
+struct Window {
+  Index kh, kw, sh, sw, oh, ow;
+  Window(const ir::Shape& x, const Instr& in) {
+    const IntList& k = in.GetInts("window");
+    const IntList s = in.Has("stride") ? in.GetInts("stride") : k;
+    kh = k[0], kw = k[1], sh = s[0], sw = s[1];
+    oh = (x[2] - kh) / sh + 1, ow = (x[3] - kw) / sw + 1;
+  }
+  // Tap (a, b) of every window: element (a, b) of each, as an [N, C, oh, ow] strided view of x.
+  template <class E>
+  auto Tap(E& x, Index a, Index b) const {
+    return xt::strided_view(x, {xt::all(), xt::all(), xt::range(a, a + sh * (oh - 1) + 1, sh),
+                                xt::range(b, b + sw * (ow - 1) + 1, sw)});
+  }
+};
 
-// Calls f(window origin in x, output offset) for every output position; planes run in parallel, the
-// positions of one plane in order.
-template <typename F>
-void ForEachWindow(const PoolGeometry& g, F f) {
-  ParallelRange(g.planes, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t y = 0; y < g.oh; ++y)
-        for (int64_t x = 0; x < g.ow; ++x)
-          f(p * g.h * g.w + y * g.sh * g.w + x * g.sw, (p * g.oh + y) * g.ow + x);
-  });
+// Each window's first maximum (a NaN counts as a maximum) and its tap a * kw + b.
+struct WindowMax {
+  xt::xarray<float> value;
+  xt::xarray<Index> tap;
+};
+
+WindowMax MaxOfWindows(const Tensor& x, const Window& g) {
+  const auto xv = View<float>(x);
+  WindowMax m{g.Tap(xv, 0, 0), xt::zeros<Index>(XShape({x.shape()[0], x.shape()[1], g.oh, g.ow}))};
+  auto takes = xt::vectorize([](float c, float best) -> bool { return c > best || (c != c && best == best); });
+  for (Index a = 0; a < g.kh; ++a)
+    for (Index b = a == 0 ? 1 : 0; b < g.kw; ++b) {
+      const xt::xarray<float> c = g.Tap(xv, a, b);
+      const xt::xarray<bool> take = takes(c, m.value);
+      m.value = xt::where(take, c, m.value);
+      m.tap = xt::where(take, a * g.kw + b, m.tap);
+    }
+  return m;
 }
 
+Tensor MaxPool(const Instr& in, const Tensor& x) { return F32(in, MaxOfWindows(x, Window(x.shape(), in)).value); }
 
-Tensor MaxPool(const Instr& in, const Tensor& x) {
-  const PoolGeometry g = PoolGeom(x.shape(), in);
-  Tensor y(in.type);
-  const float* xs = x.f32.data();
-  ForEachWindow(g, [&](int64_t i, int64_t o) { y.f32[o] = xs[i + WindowArgMax(xs + i, g)]; });
-  return y;
-}
-
+// dy goes to each window's first maximum.
 Tensor MaxPoolGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
-  const PoolGeometry g = PoolGeom(x.shape(), in);
+  const Window g(x.shape(), in);
+  const WindowMax m = MaxOfWindows(x, g);
   Tensor dx(in.type);
-  const float* xs = x.f32.data();
-  ForEachWindow(g, [&](int64_t i, int64_t o) { dx.f32[i + WindowArgMax(xs + i, g)] += dy.f32[o]; });
+  auto dxv = View<float>(dx);
+  for (Index a = 0; a < g.kh; ++a)
+    for (Index b = 0; b < g.kw; ++b) xt::noalias(g.Tap(dxv, a, b)) += xt::where(xt::equal(m.tap, a * g.kw + b), View<float>(dy), 0.0f);
   return dx;
 }
 
 Tensor AvgPool(const Instr& in, const Tensor& x) {
-  const PoolGeometry g = PoolGeom(x.shape(), in);
-  Tensor y(in.type);
-  const float area = static_cast<float>(g.kh * g.kw);
-  ForEachWindow(g, [&](int64_t i, int64_t o) {
-    float s = 0;
-    for (int64_t a = 0; a < g.kh; ++a)
-      for (int64_t b = 0; b < g.kw; ++b) s += x.f32[i + a * g.w + b];
-    y.f32[o] = s / area;
-  });
-  return y;
+  const Window g(x.shape(), in);
+  const xt::xarray<double> xd = xt::cast<double>(View<float>(x));
+  xt::xarray<double> sum = xt::zeros<double>(XShape(in.type.shape));
+  for (Index a = 0; a < g.kh; ++a)
+    for (Index b = 0; b < g.kw; ++b) sum += g.Tap(xd, a, b);
+  return F32(in, xt::cast<float>(sum / double(g.kh * g.kw)));
 }
 
 Tensor AvgPoolGrad(const Instr& in, const Tensor& dy) {
-  const PoolGeometry g = PoolGeom(in.type.shape, in);
-  Tensor dx(in.type);
-  const float area = static_cast<float>(g.kh * g.kw);
-  ForEachWindow(g, [&](int64_t i, int64_t o) {
-    const float d = dy.f32[o] / area;
-    for (int64_t a = 0; a < g.kh; ++a)
-      for (int64_t b = 0; b < g.kw; ++b) dx.f32[i + a * g.w + b] += d;
-  });
-  return dx;
+  const Window g(in.type.shape, in);
+  const xt::xarray<double> share = xt::cast<double>(View<float>(dy)) / double(g.kh * g.kw);
+  xt::xarray<double> dx = xt::zeros<double>(XShape(in.type.shape));
+  for (Index a = 0; a < g.kh; ++a)
+    for (Index b = 0; b < g.kw; ++b) xt::noalias(g.Tap(dx, a, b)) += share;
+  return F32(in, xt::cast<float>(dx));
 }
 
 // ---- Labels and embeddings ----
 
-int64_t CheckedIndex(int32_t i, int64_t limit, const char* what) {
+Index CheckedIndex(int32_t i, Index limit, const char* what) {
   if (i < 0 || i >= limit) throw Error(Str(what, " ", i, " out of range [0,", limit, ")"));
   return i;
 }
 
+// A tensor seen as `rows` rows of equal width.
+template <typename T, class AnyTensor>
+auto Rows(AnyTensor& t, Index rows) {
+  const std::size_t width = rows ? t.elements() / rows : 0;
+  return xt::reshape_view(View<T>(t), std::vector<std::size_t>{std::size_t(rows), width});
+}
+
 Tensor OneHot(const Instr& in, const Tensor& labels) {
-  const int64_t depth = in.GetInt("depth");
+  const Index depth = in.GetInt("depth");
   Tensor out(in.type);
-  for (int64_t i = 0; i < labels.elements(); ++i) out.f32[i * depth + CheckedIndex(labels.s32[i], depth, "label")] = 1;
+  auto o = Rows<float>(out, labels.elements());
+  for (Index i = 0; i < labels.elements(); ++i) o(i, CheckedIndex(labels.s32[i], depth, "label")) = 1;
   return out;
 }
 
 // out[i, ...] = table[idx[i], ...].
-Tensor GatherRows(const Instr& in, const Tensor& table, const Tensor& idx) {
-  const int64_t rows = table.shape()[0], width = ir::NumElements(Shape(table.shape().begin() + 1, table.shape().end()));
+Tensor Gather(const Instr& in, const Tensor& table, const Tensor& idx) {
+  const Index rows = table.shape()[0];
   for (int32_t i : idx.s32) CheckedIndex(i, rows, "gather index");
-  return WithType(table.dtype(), [&](auto t) {
+  return Typed(table.dtype(), [&](auto t) {
     using T = decltype(t);
     Tensor out(in.type);
-    for (int64_t i = 0; i < idx.elements(); ++i)
-      std::copy_n(Data<T>(table) + idx.s32[i] * width, width, Data<T>(out) + i * width);
+    auto o = Rows<T>(out, idx.elements());
+    const auto from = Rows<T>(table, rows);
+    for (Index i = 0; i < idx.elements(); ++i) xt::noalias(xt::view(o, i)) = xt::view(from, idx.s32[i]);
     return out;
   });
 }
 
 // out[idx[i], ...] += updates[i, ...], in increasing i.
 Tensor ScatterAdd(const Instr& in, const Tensor& idx, const Tensor& updates) {
-  const int64_t rows = in.GetInt("rows"), n = idx.elements();
-  const int64_t width = n ? updates.elements() / n : 0;
+  const Index rows = in.GetInt("rows");
   for (int32_t i : idx.s32) CheckedIndex(i, rows, "scatter_add index");
-  return WithType(updates.dtype(), [&](auto t) {
+  return Typed(updates.dtype(), [&](auto t) {
     using T = decltype(t);
     Tensor out(in.type);
-    const T* u = Data<T>(updates);
-    T* o = Data<T>(out);
-    for (int64_t i = 0; i < n; ++i)
-      for (int64_t k = 0; k < width; ++k) o[idx.s32[i] * width + k] = AddOf(o[idx.s32[i] * width + k], u[i * width + k]);
+    auto o = Rows<T>(out, rows);
+    const auto u = Rows<T>(updates, idx.elements());
+    auto add = xt::vectorize([](T a, T b) -> T { return AddOf(a, b); });
+    for (Index i = 0; i < idx.elements(); ++i) {
+      auto row = xt::view(o, idx.s32[i]);
+      xt::noalias(row) = add(row, xt::view(u, i));  // element by element: no overlap
+    }
     return out;
   });
 }
@@ -659,10 +544,8 @@ const Tensor& Lookup(const TensorMap& map, const char* what, const Instr& in) {
 
 Tensor Splat(const Instr& in) {
   const double v = in.GetFloat("value");
-  Tensor out(in.type);
-  if (in.type.dtype == DType::kF32) std::fill(out.f32.begin(), out.f32.end(), static_cast<float>(v));
-  else std::fill(out.s32.begin(), out.s32.end(), ToS32(v));
-  return out;
+  if (in.type.dtype == DType::kF32) return Filled(in.type, static_cast<float>(v));
+  return Filled(in.type, ToS32(v));
 }
 
 // ---- The op switch ----
@@ -675,41 +558,39 @@ const Operands& F32Only(const Operands& x) {
 }
 
 Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
+  auto f = [&](int i) { return View<float>(*x[i]); };
   switch (in.op) {
     case OpCode::kVariable: return Lookup(ctx.variables, "variable", in);
     case OpCode::kInput: return Lookup(ctx.inputs, "input", in);
     case OpCode::kConstant: return Splat(in);
     case OpCode::kReplicaId: return Tensor::S32({}, {ctx.replica});
 
-    case OpCode::kNeg: return Unary(in, *x[0], [](auto a) { return NegOf(a); });
-    case OpCode::kExp: return UnaryF32(in, *x[0], [](float a) { return std::exp(a); });
-    case OpCode::kLog: return UnaryF32(in, *x[0], [](float a) { return std::log(a); });
-    case OpCode::kSqrt: return UnaryF32(in, *x[0], [](float a) { return std::sqrt(a); });
-    case OpCode::kRsqrt: return UnaryF32(in, *x[0], [](float a) { return 1.0f / std::sqrt(a); });
-    case OpCode::kTanh: return UnaryF32(in, *x[0], [](float a) { return std::tanh(a); });
-    case OpCode::kSin: return UnaryF32(in, *x[0], [](float a) { return std::sin(a); });
-    case OpCode::kCos: return UnaryF32(in, *x[0], [](float a) { return std::cos(a); });
-    case OpCode::kSigmoid: return UnaryF32(in, *x[0], [](float a) { return 1.0f / (1.0f + std::exp(-a)); });
-    case OpCode::kRelu: return UnaryF32(in, *x[0], [](float a) { return (a > 0.0f) | (a != a) ? a : 0.0f; });
-    case OpCode::kAbs: return Unary(in, *x[0], [](auto a) { return AbsOf(a); });
+    case OpCode::kNeg: return MapAny(in, [](auto a) { return NegOf(a); }, *x[0]);
+    case OpCode::kExp: return F32(in, xt::exp(f(0)));
+    case OpCode::kLog: return F32(in, xt::log(f(0)));
+    case OpCode::kSqrt: return F32(in, xt::sqrt(f(0)));
+    case OpCode::kRsqrt: return F32(in, 1.0f / xt::sqrt(f(0)));
+    case OpCode::kTanh: return F32(in, xt::tanh(f(0)));
+    case OpCode::kSin: return F32(in, xt::sin(f(0)));
+    case OpCode::kCos: return F32(in, xt::cos(f(0)));
+    case OpCode::kSigmoid: return F32(in, 1.0f / (1.0f + xt::exp(-f(0))));
+    case OpCode::kRelu: return Map<float>(in.type, [](float a) { return a > 0.0f || a != a ? a : 0.0f; }, *x[0]);
+    case OpCode::kAbs: return MapAny(in, [](auto a) { return AbsOf(a); }, *x[0]);
     case OpCode::kConvert: return Convert(in, *x[0]);
 
-    case OpCode::kAdd: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return AddOf(a, b); });
-    case OpCode::kSub: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return SubOf(a, b); });
-    case OpCode::kMul: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return MulOf(a, b); });
+    case OpCode::kAdd: return MapAny(in, [](auto a, auto b) { return AddOf(a, b); }, *x[0], *x[1]);
+    case OpCode::kSub: return MapAny(in, [](auto a, auto b) { return SubOf(a, b); }, *x[0], *x[1]);
+    case OpCode::kMul: return MapAny(in, [](auto a, auto b) { return MulOf(a, b); }, *x[0], *x[1]);
     case OpCode::kDiv: return Divide(in, *x[0], *x[1]);
-    case OpCode::kPow: {
-      const float *a = x[0]->f32.data(), *b = x[1]->f32.data();
-      return Generate<float>(in.type, [&](int64_t i) { return std::pow(a[i], b[i]); });
-    }
-    case OpCode::kMax: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return MaxOf(a, b); });
-    case OpCode::kMin: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return MinOf(a, b); });
-    case OpCode::kEq: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return a == b; });
-    case OpCode::kNe: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return a != b; });
-    case OpCode::kLt: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return a < b; });
-    case OpCode::kLe: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return a <= b; });
-    case OpCode::kGt: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return a > b; });
-    case OpCode::kGe: return Binary(in, *x[0], *x[1], [](auto a, auto b) { return a >= b; });
+    case OpCode::kPow: return F32(in, xt::pow(f(0), f(1)));
+    case OpCode::kMax: return MapAny(in, [](auto a, auto b) { return MaxOf(a, b); }, *x[0], *x[1]);
+    case OpCode::kMin: return MapAny(in, [](auto a, auto b) { return MinOf(a, b); }, *x[0], *x[1]);
+    case OpCode::kEq: return MapAny(in, [](auto a, auto b) { return a == b; }, *x[0], *x[1]);
+    case OpCode::kNe: return MapAny(in, [](auto a, auto b) { return a != b; }, *x[0], *x[1]);
+    case OpCode::kLt: return MapAny(in, [](auto a, auto b) { return a < b; }, *x[0], *x[1]);
+    case OpCode::kLe: return MapAny(in, [](auto a, auto b) { return a <= b; }, *x[0], *x[1]);
+    case OpCode::kGt: return MapAny(in, [](auto a, auto b) { return a > b; }, *x[0], *x[1]);
+    case OpCode::kGe: return MapAny(in, [](auto a, auto b) { return a >= b; }, *x[0], *x[1]);
     case OpCode::kSelect: return Select(in, *x[0], *x[1], *x[2]);
 
     case OpCode::kBroadcast: return Broadcast(in, *x[0]);
@@ -733,7 +614,7 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kAvgPoolGrad: return AvgPoolGrad(in, *F32Only(x)[0]);
 
     case OpCode::kOneHot: return OneHot(in, *x[0]);
-    case OpCode::kGather: return GatherRows(in, *x[0], *x[1]);
+    case OpCode::kGather: return Gather(in, *x[0], *x[1]);
     case OpCode::kScatterAdd: return ScatterAdd(in, *x[0], *x[1]);
 
     case OpCode::kAllReduce: return AllReduce(ctx, in, *x[0]);
@@ -743,10 +624,6 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
   SS_CHECK(false, "unhandled op ", ir::OpName(in.op));
   return {};
 }
-
-}  // namespace
-
-namespace {
 
 // Evaluates every instruction in order. With `keep` given, a value is released after its last use
 // unless keep[v] is set, so a step holds only its live buffers.

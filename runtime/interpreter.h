@@ -1,8 +1,8 @@
 // The reference interpreter: evaluates a module op by op on host tensors; the oracle for every backend.
 //
-// Slow and obvious on purpose, except where training must be practical: matmul is oneDNN sgemm,
-// conv2d and its gradients are im2col + sgemm. Every kernel is bitwise deterministic (fixed
-// summation orders; parallel loops only where each output element is computed independently).
+// Slow and obvious on purpose: written on xtensor, single-threaded, with matmul and convolution as
+// plain loops summing in double in index order, so it shares no kernel with any backend. Every
+// result is bitwise deterministic (the conventions are listed at the top of interpreter.cc).
 #pragma once
 
 #include <map>

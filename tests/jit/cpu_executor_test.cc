@@ -44,13 +44,13 @@ std::vector<TensorMap> Batches(bool cnn, int steps) {
   return out;
 }
 
-double RelDiff(const Tensor& a, const Tensor& b) {
-  double diff = 0, scale = 0;
-  for (int64_t i = 0; i < a.elements(); ++i) {
-    diff = std::max(diff, std::abs(a.at(i) - b.at(i)));
-    scale = std::max(scale, std::abs(a.at(i)));
-  }
-  return scale == 0 ? diff : diff / scale;
+// Per element: |got - want| <= rtol * |want| + atol (want: the interpreter's value). Returns the
+// worst ratio |got - want| / (rtol * |want| + atol): the check passes when it is <= 1.
+double WorstRatio(const Tensor& want, const Tensor& got, double rtol, double atol) {
+  double worst = 0;
+  for (int64_t i = 0; i < want.elements(); ++i)
+    worst = std::max(worst, std::abs(got.at(i) - want.at(i)) / (rtol * std::abs(want.at(i)) + atol));
+  return worst;
 }
 
 std::string Describe(const Tensor& a, const Tensor& b) {
@@ -66,8 +66,15 @@ std::string Describe(const Tensor& a, const Tensor& b) {
 }
 
 // Re-synchronised every step: the JIT starts each step from the interpreter's state, so each
-// step's difference is measured on its own (loss and every variable, relative to its largest value).
-void CheckAgainstInterpreter(bool cnn, ir::OptimizerConfig opt, double tol, int steps) {
+// step's difference is measured on its own (loss and every variable element, per element).
+//
+// The interpreter sums matmul and convolution products in double, the JIT in float (oneDNN), so
+// gradients differ by float rounding of their sums. SGD passes that on scaled by lr; Adam's first
+// step is g / (|g| + eps) ~ sign(g), so with the default eps 1e-8 a gradient that cancels to ~1e-9
+// flips sign with rounding and its weight moves by a full lr on one side only: the CNN's fc1.w
+// (3136 x 128, sums of many cancelling products) does this; the MLP's does not. The CNN Adam case
+// uses eps 1e-4 (the update then changes by at most |dg| / eps).
+void CheckAgainstInterpreter(bool cnn, ir::OptimizerConfig opt, int steps, double rtol = 1e-5, double atol = 1e-7) {
   dsl::Program p = Build(cnn, opt);
   const TensorMap init = InitLogicalState(p.step);
   auto ref = MakeInterpreterExecutor(p.step, init);
@@ -82,8 +89,10 @@ void CheckAgainstInterpreter(bool cnn, ir::OptimizerConfig opt, double tol, int 
     const TensorMap a = ref->LogicalState(), b = jit->LogicalState();
     REQUIRE(a.size() == b.size());
     for (const auto& [name, t] : a) {
-      INFO("variable " << name << ": " << Describe(t, b.at(name)));
-      CHECK(RelDiff(t, b.at(name)) <= tol);
+      const double worst = WorstRatio(t, b.at(name), rtol, atol);
+      INFO("variable " << name << ": " << Describe(t, b.at(name)) << "; worst |a-e| / (" << rtol << "|e| + " << atol
+                       << ") = " << worst);
+      CHECK(worst <= 1);
     }
   }
 }
@@ -91,13 +100,13 @@ void CheckAgainstInterpreter(bool cnn, ir::OptimizerConfig opt, double tol, int 
 }  // namespace
 
 TEST_CASE("MLP training steps on the JIT agree with the interpreter", "[jit][train]") {
-  SECTION("sgd") { CheckAgainstInterpreter(false, dsl::SGD().lr(0.1), 1e-5, 5); }
-  SECTION("adam") { CheckAgainstInterpreter(false, dsl::Adam().lr(1e-3), 1e-5, 5); }
+  SECTION("sgd") { CheckAgainstInterpreter(false, dsl::SGD().lr(0.1), 5); }
+  SECTION("adam") { CheckAgainstInterpreter(false, dsl::Adam().lr(1e-3), 5); }
 }
 
 TEST_CASE("CNN training steps on the JIT agree with the interpreter", "[jit][train]") {
-  SECTION("sgd") { CheckAgainstInterpreter(true, dsl::SGD().lr(0.1), 1e-5, 3); }
-  SECTION("adam") { CheckAgainstInterpreter(true, dsl::Adam().lr(1e-3), 1e-5, 3); }
+  SECTION("sgd") { CheckAgainstInterpreter(true, dsl::SGD().lr(0.1), 3); }
+  SECTION("adam") { CheckAgainstInterpreter(true, dsl::Adam().lr(1e-3).eps(1e-4), 3); }
 }
 
 TEST_CASE("JIT forward (evaluation) agrees with the interpreter", "[jit][train]") {
@@ -109,8 +118,9 @@ TEST_CASE("JIT forward (evaluation) agrees with the interpreter", "[jit][train]"
   TensorMap a = ref->Forward(p.forward, batches[0]), b = jit->Forward(p.forward, batches[0]);
   REQUIRE(a.size() == b.size());
   for (auto& [name, t] : a) {
-    INFO(name);
-    CHECK(RelDiff(t, b.at(name)) <= 1e-5);
+    const double worst = WorstRatio(t, b.at(name), 1e-5, 1e-6);  // logits of magnitude ~1
+    INFO(name << ": worst |a-e| / (1e-5 |e| + 1e-6) = " << worst);
+    CHECK(worst <= 1);
   }
 }
 
@@ -163,8 +173,9 @@ TEST_CASE("the JIT executor's state round-trips and matches the interpreter at N
     ref->Step(batches[i]);
     jit->Step(batches[i]);
     for (auto& [name, t] : ref->LogicalState()) {
-      INFO("step " << i << " variable " << name);
-      CHECK(RelDiff(t, jit->LogicalState().at(name)) <= 1e-5);
+      const double worst = WorstRatio(t, jit->LogicalState().at(name), 1e-5, 1e-7);
+      INFO("step " << i << " variable " << name << ": worst |a-e| / (1e-5 |e| + 1e-7) = " << worst);
+      CHECK(worst <= 1);
     }
   }
 }
@@ -238,7 +249,11 @@ TEST_CASE("the disk cache skips compilation, and a corrupt entry is rejected and
   RunStep(p.step, s1, batches[0]);
   jit::Workspace ws;
   trunc->Run(s2, batches[0], 0, nullptr, &ws);
-  for (auto& [name, t] : s1) CHECK(RelDiff(t, s2.at(name)) <= 1e-5);
+  for (auto& [name, t] : s1) {
+    const double worst = WorstRatio(t, s2.at(name), 1e-5, 1e-7);
+    INFO(name << ": worst |a-e| / (1e-5 |e| + 1e-7) = " << worst);
+    CHECK(worst <= 1);
+  }
   fs::remove_all(dir);
 }
 

@@ -416,8 +416,8 @@ TEST_CASE("conv2d gradients are the adjoints of conv2d", "[interpreter]") {
   CHECK(Dot(w, dw) == Approx(forward).epsilon(1e-5));
 }
 
-TEST_CASE("matmul in several row blocks matches a direct loop, for every transpose", "[interpreter]") {
-  const int64_t m = 300, k = 200, n = 150;  // large enough to be split into blocks of rows
+TEST_CASE("matmul matches a direct loop, for every transpose", "[interpreter]") {
+  const int64_t m = 300, k = 200, n = 150;
   for (bool ta : {false, true})
     for (bool tb : {false, true}) {
       Tensor a = F(ta ? Shape{k, m} : Shape{m, k}, Random(m * k, 11)), b = F(tb ? Shape{n, k} : Shape{k, n}, Random(k * n, 12));
@@ -432,6 +432,19 @@ TEST_CASE("matmul in several row blocks matches a direct loop, for every transpo
       INFO("transpose_a " << ta << " transpose_b " << tb);
       ExpectClose(Apply(OpCode::kMatmul, {a, b}, {{"transpose_a", int64_t{ta}}, {"transpose_b", int64_t{tb}}}), want, 1e-5);
     }
+}
+
+TEST_CASE("matmul and convolutions sum their products in double and round once", "[interpreter]") {
+  // 1e8 + 1 - 1e8: summed in float the 1 is lost (1e8 + 1 rounds to 1e8); in double it survives.
+  const std::vector<float> big{1e8f, 1, -1e8f}, ones{1, 1, 1};
+  Expect(Apply(OpCode::kMatmul, {F({1, 3}, big), F({3, 1}, ones)}), F({1, 1}, {1}));
+  Expect(Apply(OpCode::kConv2d, {F({1, 3, 1, 1}, big), F({1, 3, 1, 1}, ones)}), F({1, 1, 1, 1}, {1}));
+  Expect(Apply(OpCode::kConv2dInputGrad, {F({1, 3, 1, 1}, ones), F({3, 1, 1, 1}, big)},
+               {{"input_shape", IntList{1, 1, 1, 1}}}),
+         F({1, 1, 1, 1}, {1}));
+  Expect(Apply(OpCode::kConv2dFilterGrad, {F({3, 1, 1, 1}, big), F({3, 1, 1, 1}, ones)},
+               {{"filter_shape", IntList{1, 1, 1, 1}}}),
+         F({1, 1, 1, 1}, {1}));
 }
 
 // ---- Pooling ----
@@ -483,8 +496,8 @@ TEST_CASE("rank-3 transpose, broadcast and reductions match index loops", "[inte
 }
 
 TEST_CASE("large kernels are bitwise deterministic", "[interpreter]") {
-  Tensor x = F({64, 8, 30, 30}, Random(64 * 8 * 30 * 30, 9)), w = F({16, 8, 3, 3}, Random(16 * 8 * 9, 10));
-  const Attrs conv{{"padding", IntList{1, 1}}}, input_grad{{"padding", IntList{1, 1}}, {"input_shape", IntList{64, 8, 30, 30}}};
+  Tensor x = F({16, 8, 30, 30}, Random(16 * 8 * 30 * 30, 9)), w = F({16, 8, 3, 3}, Random(16 * 8 * 9, 10));
+  const Attrs conv{{"padding", IntList{1, 1}}}, input_grad{{"padding", IntList{1, 1}}, {"input_shape", IntList{16, 8, 30, 30}}};
   auto run = [&] {
     Tensor c = Apply(OpCode::kConv2d, {x, w}, conv);
     Attrs filter_grad = conv;

@@ -1,5 +1,6 @@
-// Pooling windows shared by every backend, so they agree on geometry and on which element is a
-// window's maximum (the first one in row-major order; a NaN counts as a maximum).
+// Pooling windows of the CPU backend's native kernels: geometry and which element is a window's
+// maximum (the first one in row-major order; a NaN counts as a maximum). The reference interpreter
+// computes its windows independently (runtime/interpreter.cc), so the two can check each other.
 #pragma once
 
 #include <cstdint>
