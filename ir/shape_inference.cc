@@ -87,8 +87,11 @@ struct Checker {
   }
 };
 
-// Output spatial size of a window (conv or pool) along one axis.
-int64_t WindowOut(int64_t in, int64_t k, int64_t stride, int64_t pad) { return (in + 2 * pad - k) / stride + 1; }
+// Output spatial size of a window (conv or pool) along one axis; 0 when the window does not fit the
+// padded input (plain division would truncate -1 / 2 to 0 and admit a window that reads past the end).
+int64_t WindowOut(int64_t in, int64_t k, int64_t stride, int64_t pad) {
+  return in + 2 * pad < k ? 0 : (in + 2 * pad - k) / stride + 1;
+}
 
 }  // namespace
 

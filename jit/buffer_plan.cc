@@ -4,6 +4,11 @@
 //     big buffers placed early leave the small ones to fill the gaps between them.
 //  3. Each goes at the lowest offset that fits between the placed buffers whose live ranges meet its
 //     own; the arena is the highest end.
+// SequenceAssignments: the parallel-copy sequencing of register allocators. A move is ready when no
+// other pending move still reads its target; perform the ready ones (in the given order); when none
+// is ready the pending moves form cycles: stage the first pending move that reads a pending target
+// (its source still holds the value from before the step, since that target's move is pending), which
+// breaks its cycle, and go on.
 #include "jit/buffer_plan.h"
 
 #include <algorithm>
@@ -47,6 +52,38 @@ BufferPlan PlanBuffers(const std::vector<BufferRequest>& requests, int64_t align
     placed.push_back(i);
   }
   return plan;
+}
+
+AssignOrder SequenceAssignments(const std::vector<AssignMove>& moves) {
+  const size_t n = moves.size();
+  AssignOrder out;
+  out.staged.assign(n, 0);
+  std::vector<char> done(n, 0);
+  // Does a pending, unstaged move other than `j` read move j's target?
+  auto read_by_other = [&](size_t j) {
+    for (size_t i = 0; i < n; ++i)
+      if (i != j && !done[i] && !out.staged[i] && moves[i].source >= 0 && moves[i].source == moves[j].target) return true;
+    return false;
+  };
+  while (out.order.size() < n) {
+    bool progress = false;
+    for (size_t j = 0; j < n; ++j) {
+      if (done[j] || read_by_other(j)) continue;
+      done[j] = 1;
+      out.order.push_back(static_cast<int>(j));
+      progress = true;
+    }
+    if (progress) continue;
+    for (size_t i = 0; i < n; ++i) {  // all pending moves are blocked: stage one in a cycle
+      if (done[i] || out.staged[i] || moves[i].source < 0) continue;
+      bool reads_pending_target = false;
+      for (size_t j = 0; j < n; ++j) reads_pending_target |= j != i && !done[j] && moves[j].target == moves[i].source;
+      if (!reads_pending_target) continue;
+      out.staged[i] = 1;
+      break;
+    }
+  }
+  return out;
 }
 
 }  // namespace shardstep::jit

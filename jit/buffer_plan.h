@@ -25,4 +25,22 @@ struct BufferPlan {
 // outputs never share bytes with its operands.
 BufferPlan PlanBuffers(const std::vector<BufferRequest>& requests, int64_t alignment = 64);
 
+// The end-of-step assignments as one parallel copy: every assignment must see the values from before
+// the step, but a variable read in place (`@a = @b; @b = @a`, or a reshape of another variable)
+// would be overwritten by an earlier copy. Each move writes variable `target` from storage that is
+// variable `source`'s own (source >= 0; -1: a temporary of the step, never overwritten here).
+struct AssignMove {
+  int target = -1;
+  int source = -1;
+};
+
+struct AssignOrder {
+  std::vector<int> order;    // the moves in the order to perform them
+  std::vector<char> staged;  // per move: copy its source to a temporary before any move is performed
+};
+
+// Orders the moves so that each variable is read before it is overwritten; a cycle (a swap, a
+// rotation) is broken by staging one of its sources through a temporary: only those moves pay a copy.
+AssignOrder SequenceAssignments(const std::vector<AssignMove>& moves);
+
 }  // namespace shardstep::jit

@@ -15,6 +15,9 @@
 //     (assigned once, not an output) keeps a tensor of its own, since the variable takes its storage.
 //     Variables and inputs are read in place; reshape aliases its operand. A step allocates nothing
 //     except on the reference path (and small per-op index vectors and the returned outputs).
+//  5. Assignments take effect together, as in the interpreter: a variable read in place by another
+//     assignment (`@a = @b; @b = @a`, a reshape of a variable) is read before it is overwritten, and
+//     a cycle of such reads goes through a staging buffer (jit/buffer_plan.h SequenceAssignments).
 // Lowering of the non-fused ops: matmul -> oneDNN sgemm; broadcast, transpose, slice, pad, concat
 // -> strided copies; reductions and gather -> native loops with the interpreter's summation order;
 // conv2d and its gradients -> im2col + oneDNN sgemm per image, max pooling -> native loops
@@ -526,6 +529,26 @@ void CompiledStep::PlanBuffers() {
   offset_ = plan.offset;
   info_.arena_bytes = plan.arena_bytes;
   info_.buffer_bytes = plan.buffer_bytes;
+  PlanAssignments();
+}
+
+void CompiledStep::PlanAssignments() {
+  const int n = m_.size();
+  // Whose storage each value is: a reshape is its operand's; a variable is read in place.
+  std::vector<ValueId> root(n);
+  for (ValueId v = 0; v < n; ++v) root[v] = LoweringOf(m_, v) == Lowering::kAlias ? root[m_.at(v).operands[0]] : v;
+  std::vector<AssignMove> moves;
+  for (const auto& [var, v] : m_.assigns)
+    moves.push_back({var, m_.at(root[v]).op == OpCode::kVariable ? root[v] : -1});
+  const AssignOrder order = SequenceAssignments(moves);
+  assign_order_ = order.order;
+  staging_offset_.assign(moves.size(), -1);
+  staging_bytes_ = 0;
+  for (size_t i = 0; i < moves.size(); ++i) {
+    if (!order.staged[i]) continue;
+    staging_offset_[i] = staging_bytes_;
+    staging_bytes_ += (m_.type(m_.assigns[i].second).bytes() + kArenaAlign - 1) / kArenaAlign * kArenaAlign;
+  }
 }
 
 std::unique_ptr<llvm::Module> CompiledStep::Emit(llvm::LLVMContext& ctx, const std::string& name) const {
@@ -582,6 +605,7 @@ void CompiledStep::Allocate(Workspace* ws) const {
   ws->owned.assign(n, Tensor());
   ws->ptr.assign(n, nullptr);
   ws->is_owned.assign(n, 0);
+  ws->staging.assign(staging_bytes_, 0);
   char* base = ArenaBase(ws);
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
@@ -783,20 +807,34 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
     std::memcpy(t.raw(), ws->ptr[v], t.bytes());
     outputs[name] = std::move(t);
   }
-  // Assignments see the values from before the step: all were computed above. An owned value
-  // assigned once and not an output is swapped in; anything else is copied.
-  for (const auto& [var, v] : m_.assigns) {
+  Assign(variables, ws);
+  return outputs;
+}
+
+// Assignments see the values from before the step: all were computed above, and PlanAssignments
+// ordered the copies so that a variable read in place is read before it is overwritten (staging the
+// sources of cycles first). An owned value assigned once and not an output is swapped in; anything
+// else is copied.
+void CompiledStep::Assign(TensorMap& variables, Workspace* ws) const {
+  for (size_t i = 0; i < m_.assigns.size(); ++i) {
+    if (staging_offset_[i] < 0) continue;
+    const ValueId v = m_.assigns[i].second;
+    std::memcpy(ws->staging.data() + staging_offset_[i], ws->ptr[v], m_.type(v).bytes());
+  }
+  for (int i : assign_order_) {
+    const auto& [var, v] = m_.assigns[i];
     Tensor& dst = variables[m_.at(var).name];
     SS_CHECK(dst.type == m_.at(var).type, "assign to @", m_.at(var).name, " changes its type");
     Tensor& src = ws->owned[v];
-    if (swappable_[v] && ws->is_owned[v] && src.type == dst.type && ws->ptr[v] == src.raw()) {
+    if (staging_offset_[i] >= 0) {
+      std::memcpy(dst.raw(), ws->staging.data() + staging_offset_[i], dst.bytes());
+    } else if (swappable_[v] && ws->is_owned[v] && src.type == dst.type && ws->ptr[v] == src.raw()) {
       std::swap(dst.f32, src.f32);
       std::swap(dst.s32, src.s32);
     } else {
       std::memmove(dst.raw(), ws->ptr[v], dst.bytes());
     }
   }
-  return outputs;
 }
 
 std::string EmitLlvmIr(const ir::Module& module) {

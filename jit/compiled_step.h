@@ -46,6 +46,7 @@ struct Workspace {
   std::vector<char> is_owned;
   std::vector<void*> ptr;               // the slot table: per value, its storage during this step
   std::vector<double> scratch;          // reductions' accumulators (grown once, then reused)
+  std::vector<char> staging;            // assignments staged through a temporary (a swap, a rotation)
 };
 
 class CompiledStep {
@@ -83,6 +84,8 @@ class CompiledStep {
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                 runtime::Collectives* c, Workspace* ws, int batch_parts) const;
   void Allocate(Workspace* ws) const;
+  void PlanAssignments();
+  void Assign(runtime::TensorMap& variables, Workspace* ws) const;
 
   ir::Module m_;
   CompileInfo info_;
@@ -94,6 +97,11 @@ class CompiledStep {
   std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
   std::vector<int64_t> offset_;                // per value: offset in the arena, or -1
+  // The assignments, in the order that lets each see the values from before the step, and per
+  // assignment its offset in the workspace's staging buffer when it is copied through it (else -1).
+  std::vector<int> assign_order_;
+  std::vector<int64_t> staging_offset_;
+  int64_t staging_bytes_ = 0;
   std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
   std::shared_ptr<JitCompiler> jit_;
 };

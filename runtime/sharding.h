@@ -17,7 +17,9 @@ TensorMap InitLogicalState(const ir::Module& step);
 // Replica `replica`'s state: its shard of each sharded variable, a copy of the others. Checks that
 // `logical` holds every variable with its logical type.
 TensorMap ReplicaState(const ir::Module& step, const TensorMap& logical, int replica);
-// The logical state from the states of the replicas of one group (replica ids first..first+G-1).
+// The logical state as replica `first` sees it: each sharded variable is assembled from the group of
+// its shard count that holds `first` (groups are contiguous blocks; for G-way sharding and `first` a
+// multiple of G these are replica ids first..first+G-1).
 TensorMap LogicalStateFrom(const ir::Module& step, const std::vector<TensorMap>& replica_states, int first = 0);
 
 }  // namespace shardstep::runtime

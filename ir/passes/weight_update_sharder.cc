@@ -5,6 +5,11 @@
 //     is replica-invariant again) or invariant.
 //  2. The weight-update region U: invariant, non-leaf values that flow into a variable assignment,
 //     walking back from the assigned values and stopping at all-reduces (the region's entries).
+//     Update chains: the region's tensors joined through the ops between them and through the
+//     variables they update (replicated scalars such as the step counter, and constants, join
+//     nothing). Each chain is sharded within the replica groups of its own gradient all-reduces,
+//     which must agree (else an error names the all-reduces and their groups); one Rewriter per
+//     grouping rebuilds its chains. Groups must be contiguous blocks of equal size.
 //  3. Auxiliary variables (optimizer state used only by U; with gather_at_start also the weights)
 //     become sharded variables: their type becomes the shard shape and their format is recorded.
 //  4. Rebuild U on shards, in order. Every tensor shape has one format (ShardFormat::For), so
@@ -26,11 +31,13 @@
 #include <iomanip>
 #include <limits>
 #include <map>
+#include <memory>
 #include <sstream>
 
 #include "ir/builder.h"
 #include "ir/error.h"
 #include "ir/passes/data_parallel_lowering.h"
+#include "ir/printer.h"
 #include "ir/shape_inference.h"
 
 namespace shardstep::ir {
@@ -222,25 +229,52 @@ std::string ShardingReport::ToString() const {
   return os.str();
 }
 
+namespace {
+
+// Union-find over value ids: the update chains.
+struct Chains {
+  std::vector<ValueId> parent;
+  explicit Chains(int n) : parent(n) {
+    for (ValueId v = 0; v < n; ++v) parent[v] = v;
+  }
+  ValueId Find(ValueId v) { return parent[v] == v ? v : parent[v] = Find(parent[v]); }
+  void Join(ValueId a, ValueId b) { parent[Find(a)] = Find(b); }
+};
+
+std::string GroupsText(const IntLists& groups) { return PrintAttrValue(AttrValue(groups)); }
+
+// Contiguous groups of `group_size` (0 or num_replicas: one group of all), listed explicitly.
+IntLists ExplicitGroups(int num_replicas, int group_size) {
+  IntLists groups = ContiguousGroups(num_replicas, group_size);
+  if (groups.empty()) {
+    groups.emplace_back();
+    for (int r = 0; r < num_replicas; ++r) groups.back().push_back(r);
+  }
+  return groups;
+}
+
+}  // namespace
+
 bool WeightUpdateSharder::Run(Module& m) {
   report_ = {};
   if (o_.group_size == 1) return false;
   const Module before = m;
-  // The sharding group is the data-parallel group: the one the gradients' all-reduces use.
-  int64_t g = o_.group_size > 0 ? o_.group_size : m.num_replicas;
-  for (const Instr& in : m.instrs) {
+  const std::string where = Str("weight-update-sharder: module ", PrintName(m.name), ": ");
+  // Each gradient all-reduce shards within its own replica groups (contiguous blocks of equal size,
+  // the layout ReplicaState and LogicalStateFrom reshard with); the options' group size, when given,
+  // must agree with every one of them.
+  for (ValueId v = 0; v < m.size(); ++v) {
+    const Instr& in = m.at(v);
     if (in.op != OpCode::kAllReduce || in.type.shape.empty()) continue;
     const int64_t ar_group = GroupSize(in, m.num_replicas);
     if (o_.group_size > 0 && ar_group != o_.group_size)
-      throw Error(Str("weight-update-sharder: group size ", o_.group_size, " disagrees with the gradient all-reduce's group of ",
-                      ar_group, " replicas"));
+      throw Error(Str(where, "group size ", o_.group_size, " disagrees with %", v, " (all_reduce) over groups ",
+                      GroupsText(ReplicaGroups(in, m.num_replicas)), " of ", ar_group, " replicas"));
     IntLists contiguous = ContiguousGroups(m.num_replicas, static_cast<int>(ar_group));
     if (!contiguous.empty() && ReplicaGroups(in, m.num_replicas) != contiguous)
-      throw Error("weight-update-sharder: only contiguous replica groups of equal size are supported");
-    g = ar_group;
+      throw Error(Str(where, "%", v, " (all_reduce) reduces over groups ", GroupsText(ReplicaGroups(in, m.num_replicas)),
+                      "; only contiguous replica groups of equal size are supported, such as ", GroupsText(contiguous)));
   }
-  report_.group_size = static_cast<int>(g);
-  if (g <= 1) return false;
   for (ValueId v : m.Variables()) {
     ShardFormat f;
     if (ShardFormat::FromAttrs(m.at(v), &f)) return false;  // already sharded
@@ -252,7 +286,7 @@ bool WeightUpdateSharder::Run(Module& m) {
   // 1. Per-replica values.
   const std::vector<char> per = m.PerReplicaValues();
   // 2. The update region.
-  Rewriter rw(m, g, ContiguousGroups(m.num_replicas, static_cast<int>(g)));
+  std::vector<char> region(n, 0);
   std::vector<ValueId> work;
   for (auto& [var, val] : m.assigns)
     if (!per[val]) work.push_back(val);
@@ -260,17 +294,101 @@ bool WeightUpdateSharder::Run(Module& m) {
     ValueId v = work.back();
     work.pop_back();
     const Instr& in = m.at(v);
-    if (rw.in_region_[v] || per[v] || HasProperty(in.op, kLeaf)) continue;
-    rw.in_region_[v] = 1;
+    if (region[v] || per[v] || HasProperty(in.op, kLeaf)) continue;
+    region[v] = 1;
     if (in.op == OpCode::kAllReduce) continue;  // an entry: its operand is the per-replica gradient
     for (ValueId o : in.operands) work.push_back(o);
   }
-  if (std::find(rw.in_region_.begin(), rw.in_region_.end(), 1) == rw.in_region_.end()) return false;  // no update
+  if (std::find(region.begin(), region.end(), 1) == region.end()) return false;  // no update
+
+  // 2b. Update chains: the region's tensors joined through the ops between them and through the
+  // variables they update. Scalars computed from scalars only (step counters, bias corrections) and
+  // constants are replicated and join nothing. Every chain takes the replica groups of its gradient
+  // all-reduces, which must agree; a chain without one takes the default grouping.
+  std::vector<char> grouped(n, 0), assigned_from_region(n, 0);
+  for (auto& [var, val] : m.assigns)
+    if (region[val] || (m.at(val).op == OpCode::kVariable && !per[val])) assigned_from_region[var] = 1;
+  Chains chains(n);
+  for (ValueId v = 0; v < n; ++v) {
+    const Instr& in = m.at(v);
+    if (in.op == OpCode::kVariable) grouped[v] = assigned_from_region[v] && !in.type.shape.empty();
+    if (!region[v]) continue;
+    if (in.op == OpCode::kAllReduce) {
+      grouped[v] = !in.type.shape.empty();
+      continue;
+    }
+    grouped[v] = !in.type.shape.empty();
+    for (ValueId o : in.operands) grouped[v] |= grouped[o];
+    if (grouped[v])
+      for (ValueId o : in.operands)
+        if (grouped[o]) chains.Join(v, o);
+  }
+  for (auto& [var, val] : m.assigns)
+    if (grouped[var] && grouped[val]) chains.Join(var, val);
+  // The groups of each chain, from its gradient all-reduces (in module order).
+  std::map<ValueId, std::vector<ValueId>> entries;  // chain -> its rank >= 1 all-reduces
+  for (ValueId v = 0; v < n; ++v)
+    if (region[v] && m.at(v).op == OpCode::kAllReduce && grouped[v]) entries[chains.Find(v)].push_back(v);
+  IntLists default_groups = ExplicitGroups(m.num_replicas, o_.group_size);
+  if (o_.group_size <= 0) {
+    std::vector<IntLists> seen;
+    for (auto& [chain, ars] : entries)
+      for (ValueId a : ars)
+        if (std::find(seen.begin(), seen.end(), ReplicaGroups(m.at(a), m.num_replicas)) == seen.end())
+          seen.push_back(ReplicaGroups(m.at(a), m.num_replicas));
+    if (seen.size() == 1) default_groups = seen[0];  // else all replicas
+  }
+  std::map<ValueId, IntLists> chain_groups;
+  for (auto& [chain, ars] : entries) {
+    const IntLists groups = ReplicaGroups(m.at(ars[0]), m.num_replicas);
+    for (ValueId a : ars) {
+      if (ReplicaGroups(m.at(a), m.num_replicas) == groups) continue;
+      std::string vars;
+      for (auto& [var, val] : m.assigns)
+        if (grouped[var] && chains.Find(var) == chain) vars += (vars.empty() ? "" : ", ") + PrintName(m.at(var).name);
+      throw Error(Str(where, "the updates of ", vars, " are one computation, but its gradient all-reduces use different "
+                      "replica groups: %", ars[0], " (all_reduce) groups=", GroupsText(groups), " and %", a,
+                      " (all_reduce) groups=", GroupsText(ReplicaGroups(m.at(a), m.num_replicas)),
+                      "; sharding needs one grouping per update chain"));
+    }
+    chain_groups[chain] = groups;
+  }
+
+  // One Rewriter per grouping, each over the chains sharded within it; the replicated scalars go to
+  // the first (with a single grouping, the whole region is one Rewriter's, as before).
+  std::vector<IntLists> groupings;
+  std::vector<std::unique_ptr<Rewriter>> rewriters;
+  auto rewriter_for = [&](const IntLists& groups) -> Rewriter& {
+    for (size_t i = 0; i < groupings.size(); ++i)
+      if (groupings[i] == groups) return *rewriters[i];
+    groupings.push_back(groups);
+    const int g = static_cast<int>(groups[0].size());
+    rewriters.push_back(std::make_unique<Rewriter>(m, g, ContiguousGroups(m.num_replicas, g)));
+    return *rewriters.back();
+  };
+  std::vector<Rewriter*> rw_of(n, nullptr);
+  for (ValueId v = 0; v < n; ++v) {
+    if (!grouped[v]) continue;
+    auto it = chain_groups.find(chains.Find(v));
+    rw_of[v] = &rewriter_for(it != chain_groups.end() ? it->second : default_groups);
+  }
+  if (rewriters.empty()) rewriter_for(default_groups);
+  for (ValueId v = 0; v < n; ++v)
+    if (region[v] && !rw_of[v]) rw_of[v] = rewriters[0].get();
+  for (ValueId v = 0; v < n; ++v)
+    if (region[v]) rw_of[v]->in_region_[v] = 1;
+  auto rw_at = [&](ValueId v) -> Rewriter& { return rw_of[v] ? *rw_of[v] : *rewriters[0]; };
+  report_.group_size = static_cast<int>(rewriters[0]->g_);
+  bool any = false;
+  for (auto& rw : rewriters) any |= rw->g_ > 1;
+  if (!any) return false;  // every update is reduced within groups of one replica: nothing to shard
   auto users = m.Users();
 
   // 3. Sharded variables.
   for (ValueId v : m.Variables()) {
     Instr& var = m.at(v);
+    Rewriter& rw = rw_at(v);
+    const int64_t g = rw.g_;
     VariableShardingRow row;
     row.name = var.name;
     row.role = var.GetString("role", "");
@@ -278,18 +396,21 @@ bool WeightUpdateSharder::Run(Module& m) {
     row.format = "-";
     ValueId assigned = m.AssignedValue(v);
     bool only_update = true;
-    for (ValueId u : users[v]) only_update &= rw.in_region_[u] != 0;
+    for (ValueId u : users[v]) only_update &= region[u] != 0;
     for (auto& [name, out] : m.outputs) only_update &= out != v;
     const bool is_state = row.role == kRoleOptimizerState, is_weight = row.role == kRoleWeight;
+    const std::string in_group = rewriters.size() > 1 ? Str(" (groups of ", g, ")") : "";
     if (var.type.shape.empty()) {
       row.why = "scalar: replicated";
-    } else if (assigned == kNoValue || !rw.in_region_[assigned]) {
+    } else if (assigned == kNoValue || !region[assigned]) {
       row.why = "not updated by the weight update";
+    } else if (g <= 1) {
+      row.why = "its gradient is reduced within groups of one replica: replicated";
     } else if (is_weight && !o_.gather_at_start) {
       ShardFormat f = ShardFormat::For(var.type.shape, g);
       row.format = f.kind();
       row.padding = f.padding;
-      row.why = "weight: update runs on a local slice, all-gathered at the end of the step";
+      row.why = "weight: update runs on a local slice, all-gathered at the end of the step" + in_group;
     } else if (is_state && !only_update) {
       row.why = "used outside the weight update: replicated";
     } else if (is_state || is_weight) {
@@ -302,7 +423,8 @@ bool WeightUpdateSharder::Run(Module& m) {
       row.format = f.kind();
       row.padding = f.padding;
       row.bytes_after = var.type.bytes();
-      row.why = is_state ? "optimizer state: lives as a 1/N shard" : "weight: sharded, all-gathered at the start of the step";
+      row.why = (is_state ? "optimizer state: lives as a 1/N shard" : "weight: sharded, all-gathered at the start of the step") +
+                in_group;
     } else {
       row.why = "replicated";
     }
@@ -310,31 +432,38 @@ bool WeightUpdateSharder::Run(Module& m) {
   }
   // Weights kept sharded across steps: the forward and backward read the all-gathered value.
   for (ValueId v : m.Variables()) {
+    Rewriter& rw = rw_at(v);
     if (rw.shard_[v] != v || m.at(v).GetString("role", "") != kRoleWeight) continue;
     ValueId full = rw.Full(v);
     for (ValueId u : users[v])
-      if (!rw.in_region_[u])
+      if (!region[u])
         for (ValueId& o : m.at(u).operands)
           if (o == v) o = full;
     for (auto& [name, out] : m.outputs)
       if (out == v) out = full;
   }
 
-  // 4. Rebuild the region in order.
+  // 4. Rebuild the region in order; a chain within groups of one stays as it is.
   for (ValueId v = 0; v < n; ++v) {
-    if (!rw.in_region_[v]) continue;
+    if (!region[v]) continue;
+    Rewriter& rw = *rw_of[v];
+    if (rw.g_ <= 1) {
+      rw.full_[v] = v;
+      continue;
+    }
     if (!rw.RewriteFullReduction(v)) rw.Rewrite(v);
   }
-  report_.fallbacks = rw.fallbacks_;
+  for (auto& rw : rewriters) report_.fallbacks.insert(report_.fallbacks.end(), rw->fallbacks_.begin(), rw->fallbacks_.end());
 
   // 5. Assignments. The gradient entries are dropped: the optimizer consumed them, and keeping the
   // whole all-reduced gradient alive would keep the all-reduce the reduce-scatter replaced.
   for (auto& [var, val] : m.assigns) {
     if (per[val]) continue;
+    Rewriter& rw = rw_of[var] ? *rw_of[var] : rw_at(val);
     val = rw.shard_[var] == var ? rw.Shard(val) : rw.Full(val);
   }
   for (auto& [name, out] : m.outputs)
-    if (out < n && rw.in_region_[out]) out = rw.Full(out);
+    if (out < n && region[out]) out = rw_at(out).Full(out);
   m.gradients.clear();
   m.Canonicalize();
   return !(m == before);

@@ -12,7 +12,10 @@
 namespace shardstep::ir {
 
 struct ShardingOptions {
-  int group_size = 0;            // replicas per group (0: all replicas form one group)
+  // Replicas per group. 0: each update chain is sharded within the replica groups of its own
+  // gradient all-reduces (all replicas where it has none); > 0: every gradient all-reduce must use
+  // groups of this size (else Run throws); 1: no sharding.
+  int group_size = 0;
   bool gather_at_start = false;  // keep weights sharded too; all-gather them at the start of the next step
 };
 
@@ -27,7 +30,7 @@ struct VariableShardingRow {
 };
 
 struct ShardingReport {
-  int group_size = 1;
+  int group_size = 1;  // of the first update chain's groups (each row's `why` names its own when they differ)
   std::vector<VariableShardingRow> variables;
   std::vector<std::string> fallbacks;  // update ops that could not be partitioned
   std::string ToString() const;        // the table `shardstep compile --report` prints

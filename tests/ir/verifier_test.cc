@@ -70,7 +70,7 @@ TEST_CASE("Verify rejects broken modules") {
       {"constant without value", [](Module& m) { m.at(4).attrs.clear(); }, "%4 (constant): "},
       {"flat replica groups",
        [](Module& m) { m.at(7) = Instr{OpCode::kAllReduce, {3}, F32({2, 4}), {{"groups", IntList{0, 1}}}, ""}; },
-       "%7 (all_reduce): attribute 'groups' must be a list of replica lists"},
+       "%7 (all_reduce): attribute 'groups'=[0,1] must be a list of replica lists"},
       {"unnamed variable", [](Module& m) { m.at(1).name.clear(); }, "%1 (variable): has no name"},
       {"duplicate variable", [](Module& m) { m.at(1).name = "w"; }, "%1 (variable): name @w is used twice"},
       {"duplicate input",

@@ -749,6 +749,185 @@ TEST_CASE("sharding options that disagree with the all-reduce's replica groups n
   }
 }
 
+// Mixed replica groups at N=4: w1's gradient is reduced within [[0,1],[2,3]], w2's over all four
+// replicas. Momentum on both; w1's update is scaled by 1 / (1 + ||m1||), a norm inside its chain.
+// The scalar learning rate %8 is shared by both chains (a replicated scalar joins nothing).
+const char* kMixedGroups = R"IR(
+module @mixed replicas=4 {
+  %0 = input @x1 : f32[4,2]
+  %1 = input @x2 : f32[6]
+  %2 = variable @w1 {role="weight"} : f32[4,2]
+  %3 = variable @w2 {role="weight"} : f32[6]
+  %4 = mul(%0, %2) : f32[4,2]
+  %5 = all_reduce(%4) {groups=[[0,1],[2,3]], reduction="mean"} : f32[4,2]
+  %6 = mul(%1, %3) : f32[6]
+  %7 = all_reduce(%6) {reduction="mean"} : f32[6]
+  %8 = constant {value=0.1} : f32[]
+  %9 = variable @w1/momentum {role="optimizer_state"} : f32[4,2]
+  %10 = constant {value=0.9} : f32[4,2]
+  %11 = mul(%10, %9) : f32[4,2]
+  %12 = add(%11, %5) : f32[4,2]
+  %13 = mul(%12, %12) : f32[4,2]
+  %14 = reduce_sum(%13) {axes=[0,1]} : f32[]
+  %15 = sqrt(%14) : f32[]
+  %16 = constant {value=1.0} : f32[]
+  %17 = add(%15, %16) : f32[]
+  %18 = div(%8, %17) : f32[]
+  %19 = broadcast(%18) {dims=[], shape=[4,2]} : f32[4,2]
+  %20 = mul(%19, %12) : f32[4,2]
+  %21 = sub(%2, %20) : f32[4,2]
+  %22 = variable @w2/momentum {role="optimizer_state"} : f32[6]
+  %23 = constant {value=0.9} : f32[6]
+  %24 = mul(%23, %22) : f32[6]
+  %25 = add(%24, %7) : f32[6]
+  %26 = broadcast(%8) {dims=[], shape=[6]} : f32[6]
+  %27 = mul(%26, %25) : f32[6]
+  %28 = sub(%3, %27) : f32[6]
+  assign @w1/momentum = %12
+  assign @w1 = %21
+  assign @w2/momentum = %25
+  assign @w2 = %28
+}
+)IR";
+
+// Trains `before` and `after` side by side (as TrainingDifference) and compares, after every step,
+// the logical state each replica sees: every sharded variable reassembled from that replica's own
+// group of its shard count (runtime::LogicalStateFrom), so variables sharded over different groups
+// are each checked against the replicated run. "" when all agree within `tol`.
+std::string MixedGroupsDifference(const Module& before, const Module& after, double tol, int steps = 3) {
+  std::mt19937 rng(7);
+  const TensorMap logical = RandomLogicalState(before, rng);
+  const auto inputs = RandomInputs(before, steps, rng);
+  const Run rb = Train(before, logical, inputs), ra = Train(after, logical, inputs);
+  std::string out;
+  for (int s = 0; s < steps; ++s)
+    for (int r = 0; r < before.num_replicas; ++r) {
+      const TensorMap lb = runtime::LogicalStateFrom(before, rb.states[s], r);
+      const TensorMap la = runtime::LogicalStateFrom(after, ra.states[s], r);
+      for (auto& [name, t] : lb) {
+        const std::string d = la.count(name) ? Compare("@" + name, la.at(name), t, tol) : "@" + name + " missing";
+        if (!d.empty()) out += Str("step ", s, ", replica ", r, ": ", d, "\n");
+      }
+    }
+  const TensorMap last = runtime::LogicalStateFrom(before, rb.states.back(), 0);
+  for (const char* w : {"w1", "w2"})
+    if (last.at(w) == logical.at(w)) out += Str("training did not change @", w, "\n");
+  return out;
+}
+
+TEST_CASE("mixed replica groups: each gradient all-reduce is sharded within its own groups",
+          "[weight-update-sharder][groups][mixed]") {
+  Sharded s = RunSharder(kMixedGroups);
+  INFO(s.text);
+  REQUIRE(s.changed);
+  const std::string halves = "groups=[[0,1],[2,3]]";
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: variable @w1/momentum {logical_shape=[4,2], role="optimizer_state", shard_count=2, shard_format="dim0"} : f32[2,2]
+    CHECK: variable @w2/momentum {logical_shape=[6], role="optimizer_state", shard_count=4, shard_format="flat"} : f32[2]
+  )C") == "");
+  // w1: reduce-scatter, norm and all-gather within the halves; w2: over all four (no groups attribute).
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: reduce_scatter({{%\d+}}) {group_size=2, groups=[[0,1],[2,3]], reduction="mean"} : f32[2,2]
+    CHECK: all_reduce({{%\d+}}) {groups=[[0,1],[2,3]], reduction="sum"} : f32[]
+    CHECK: all_gather({{%\d+}}) {group_size=2, groups=[[0,1],[2,3]]} : f32[4,2]
+  )C") == "");
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[PAD:%\d+]] = pad({{%\d+}}) {high=[2], low=[0]} : f32[8]
+    CHECK-NEXT: reduce_scatter([[PAD]]) {group_size=4, reduction="mean"} : f32[2]
+    CHECK: all_gather({{%\d+}}) {group_size=4} : f32[8]
+  )C") == "");
+  CHECK(FileCheck(s.text, "CHECK-NOT: all_reduce({{.*}} : f32[{{\\d}}") == "");  // no tensor all-reduce is left
+  CHECK(Count(s.text, "reduce_scatter(") == 2);
+  CHECK(Count(s.text, "all_gather(") == 2);
+  CHECK(Count(s.text, "all_reduce(") == 1);
+  CHECK(Count(s.text, halves) == 3);
+  // Local slices: w1's by the position in its half (r - (r / 2) * 2), w2's by the replica id.
+  CHECK(FileCheck(s.text, R"C(
+    CHECK: [[R:%\d+]] = replica_id : s32[]
+    CHECK-NEXT: [[TWO:%\d+]] = constant {value=2{{(\.0)?}}} : s32[]
+    CHECK-NEXT: [[Q:%\d+]] = div([[R]], [[TWO]]) : s32[]
+  )C") == "");
+  for (const VariableShardingRow& row : s.report.variables) {
+    INFO(row.name << ": " << row.why);
+    if (row.name == "w1/momentum") CHECK((row.sharded && row.why.find("(groups of 2)") != std::string::npos));
+    if (row.name == "w2/momentum") CHECK((row.sharded && row.why.find("(groups of 4)") != std::string::npos));
+  }
+  const std::string d = MixedGroupsDifference(s.before, s.after, /*tol=*/1e-6);
+  CHECK(d == "");
+
+  SECTION("the collective combiner keeps the two groupings apart, and the result is unchanged") {
+    Module combined = s.after;
+    CollectiveCombiner(1 << 20, 64).Run(combined);
+    Verify(combined);
+    INFO(Print(combined));
+    CHECK(Count(Print(combined), "reduce_scatter(") == 2);
+    CHECK(MixedGroupsDifference(s.before, combined, /*tol=*/1e-6) == "");
+  }
+}
+
+TEST_CASE("mixed replica groups: the numbers at N=4 with a plain momentum update are bitwise equal",
+          "[weight-update-sharder][groups][mixed]") {
+  std::string text = kMixedGroups;
+  text.replace(text.find("%19 = broadcast(%18)"), std::string("%19 = broadcast(%18)").size(), "%19 = broadcast(%8)");
+  Sharded s = RunSharder(text);
+  INFO(s.text);
+  CHECK(Count(s.text, "all_reduce(") == 0);
+  CHECK(MixedGroupsDifference(s.before, s.after, /*tol=*/0) == "");
+}
+
+TEST_CASE("mixed replica groups within one update chain are refused, naming the all-reduces and their groups",
+          "[weight-update-sharder][groups][mixed]") {
+  // Global-norm clipping joins w1's and w2's updates into one chain; their gradients disagree on groups.
+  const char* text = R"IR(
+module @mixed_clip replicas=4 {
+  %0 = input @x1 : f32[4,2]
+  %1 = input @x2 : f32[6]
+  %2 = variable @w1 {role="weight"} : f32[4,2]
+  %3 = variable @w2 {role="weight"} : f32[6]
+  %4 = mul(%0, %2) : f32[4,2]
+  %5 = all_reduce(%4) {groups=[[0,1],[2,3]], reduction="mean"} : f32[4,2]
+  %6 = mul(%1, %3) : f32[6]
+  %7 = all_reduce(%6) {groups=[[0,1,2,3]], reduction="mean"} : f32[6]
+  %8 = mul(%5, %5) : f32[4,2]
+  %9 = reduce_sum(%8) {axes=[0,1]} : f32[]
+  %10 = mul(%7, %7) : f32[6]
+  %11 = reduce_sum(%10) {axes=[0]} : f32[]
+  %12 = add(%9, %11) : f32[]
+  %13 = broadcast(%12) {dims=[], shape=[4,2]} : f32[4,2]
+  %14 = mul(%13, %5) : f32[4,2]
+  %15 = sub(%2, %14) : f32[4,2]
+  %16 = broadcast(%12) {dims=[], shape=[6]} : f32[6]
+  %17 = mul(%16, %7) : f32[6]
+  %18 = sub(%3, %17) : f32[6]
+  assign @w1 = %15
+  assign @w2 = %18
+}
+)IR";
+  Module m = ParseVerified(text);
+  const std::string before = Print(m);
+  WeightUpdateSharder pass;
+  try {
+    pass.Run(m);
+    FAIL("sharded a chain whose gradients use different replica groups");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()) ==
+          "weight-update-sharder: module @mixed_clip: the updates of @w1, @w2 are one computation, but its gradient "
+          "all-reduces use different replica groups: %5 (all_reduce) groups=[[0,1],[2,3]] and %7 (all_reduce) "
+          "groups=[[0,1,2,3]]; sharding needs one grouping per update chain");
+  }
+  CHECK(Print(m) == before);  // refused before changing anything
+}
+
+TEST_CASE("non-contiguous replica groups are refused, naming the all-reduce", "[weight-update-sharder][groups]") {
+  std::string text = kMixedGroups;
+  text.replace(text.find("groups=[[0,1],[2,3]]"), std::string("groups=[[0,1],[2,3]]").size(), "groups=[[0,2],[1,3]]");
+  Module m = ParseVerified(text);
+  WeightUpdateSharder pass;
+  CHECK_THROWS_WITH(pass.Run(m), "weight-update-sharder: module @mixed: %5 (all_reduce) reduces over groups "
+                                 "[[0,2],[1,3]]; only contiguous replica groups of equal size are supported, such as "
+                                 "[[0,1],[2,3]]");
+}
+
 TEST_CASE("an already-sharded module: a second Run returns false and the text is unchanged",
           "[weight-update-sharder][idempotent]") {
   for (const char* text : {kAdam, kMomentum, kLamb, kClip, kPadded, kFallback}) {
