@@ -164,13 +164,18 @@ Dataset LoadIdx(const std::string& images_path, const std::string& labels_path, 
   return d;
 }
 
-Dataset LoadFashionMnist(const std::string& dir, bool train) {
+std::vector<std::string> FashionMnistFiles(const std::string& dir, bool train) {
   // Prefer the .gz files as distributed; fall back to gunzipped copies.
   auto path = [&](const char* name) {
     std::string p = dir + "/" + (train ? "train" : "t10k") + name;
     return !std::filesystem::exists(p + ".gz") && std::filesystem::exists(p) ? p : p + ".gz";
   };
-  return LoadIdx(path("-images-idx3-ubyte"), path("-labels-idx1-ubyte"), 10);
+  return {path("-images-idx3-ubyte"), path("-labels-idx1-ubyte")};
+}
+
+Dataset LoadFashionMnist(const std::string& dir, bool train) {
+  const std::vector<std::string> files = FashionMnistFiles(dir, train);
+  return LoadIdx(files[0], files[1], 10);
 }
 
 Dataset SyntheticClassification(int64_t n, int channels, int h, int w, int classes, uint64_t seed) {

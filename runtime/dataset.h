@@ -26,6 +26,11 @@ Dataset LoadIdx(const std::string& images_path, const std::string& labels_path, 
 
 // The Fashion-MNIST train (60000) or test (10000) split from `dir`.
 Dataset LoadFashionMnist(const std::string& dir = kFashionMnistDir, bool train = true);
+// The image and label files LoadFashionMnist reads for a split: "<dir>/train-images-idx3-ubyte.gz"
+// (t10k- for the test split), or the gunzipped name when only that file exists.
+std::vector<std::string> FashionMnistFiles(const std::string& dir, bool train);
+// The Debian package that installs the Fashion-MNIST files into kFashionMnistDir.
+inline constexpr const char* kFashionMnistPackage = "dataset-fashion-mnist";
 
 // A deterministic, learnable set: each class has a fixed random mean image; an example is its
 // class's mean plus uniform noise. Labels are uniform over [0, classes).

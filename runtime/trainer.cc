@@ -56,6 +56,10 @@ void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, in
   BatchIterator it(data, eval_batch, /*shuffle=*/false, 0, example_shape);
   const int64_t batches = it.batches_per_epoch();
   if (batches == 0) throw Error(Str("evaluation batch ", eval_batch, " is larger than the split (", data.size(), ")"));
+  // Every example counts once: a remainder would be silently left out (the forward module's batch is fixed).
+  if (data.size() % eval_batch != 0)
+    throw Error(Str("evaluation batch ", eval_batch, " does not divide the split (", data.size(), " examples): the last ",
+                    data.size() % eval_batch, " would not be evaluated"));
   int64_t correct = 0;
   double loss_sum = 0;
   for (int64_t i = 0; i < batches; ++i) {

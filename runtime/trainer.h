@@ -22,7 +22,7 @@ struct TrainOptions {
   uint64_t seed = 0;
   int64_t log_every = 100;   // progress lines
   int64_t eval_every = 0;    // 0: evaluate once at the end
-  int64_t eval_batch = 1000; // must divide the test set size
+  int64_t eval_batch = 1000; // must divide the test set size (Evaluate throws otherwise)
   std::string metrics_out;   // JSON Lines file ("" = none)
   std::string plot_out;      // SVG of the loss curve and step-time breakdown ("" = none)
   std::string plot_title;
@@ -42,7 +42,8 @@ struct TrainResult {
 // Fraction of rows of `logits` [B, C] whose arg-max equals `labels` [B].
 int64_t CountCorrect(const Tensor& logits, const Tensor& labels);
 
-// Evaluates `forward` (outputs "loss" and "logits", batch = eval batch) over the whole split.
+// Evaluates `forward` (outputs "loss" and "logits", batch = eval batch) over the whole split; throws
+// shardstep::Error when `eval_batch` does not divide the split (no example is left out silently).
 void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, int64_t eval_batch,
               const ir::Shape& example_shape, double* accuracy, double* loss);
 

@@ -5,6 +5,7 @@
 #include "ir/passes/autodiff.h"
 #include "ir/passes/collective_combiner.h"
 #include "ir/passes/data_parallel_lowering.h"
+#include "ir/passes/elementwise_fuser.h"
 #include "ir/passes/weight_update_sharder.h"
 #include "ir/verifier.h"
 
@@ -30,6 +31,8 @@ bool PassPipeline::Run(Module& m) {
     try {
       Verify(m);
     } catch (const Error& e) {
+      if (external_input_)
+        throw Error(Str("pass ", p->name(), " cannot handle this module (it produced an invalid one: ", e.what(), ")"));
       SS_CHECK(false, "pass ", p->name(), " produced an invalid module: ", e.what());
     }
     if (on_pass_) on_pass_(*p, m);
@@ -38,13 +41,49 @@ bool PassPipeline::Run(Module& m) {
   return changed;
 }
 
+namespace {
+
+// The training pipeline's passes in order.
+const char* const kTrainingPasses[] = {"autodiff", "data-parallel-lowering", "optimizer-lowering",
+                                       "weight-update-sharder", "collective-combiner"};
+
+}  // namespace
+
+std::vector<std::string> KnownPassNames() {
+  std::vector<std::string> names(std::begin(kTrainingPasses), std::end(kTrainingPasses));
+  names.push_back("elementwise-fuser");
+  return names;
+}
+
+std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& o) {
+  if (name == "autodiff") return std::make_unique<Autodiff>("loss");
+  if (name == "data-parallel-lowering") return std::make_unique<DataParallelLowering>(o.group_size);
+  if (name == "optimizer-lowering") return std::make_unique<OptimizerLowering>(o.optimizer);
+  if (name == "weight-update-sharder")
+    return std::make_unique<WeightUpdateSharder>(ShardingOptions{o.group_size, o.gather_at_start});
+  if (name == "collective-combiner") return std::make_unique<CollectiveCombiner>(o.combine_bytes, o.combine_count);
+  if (name == "elementwise-fuser") return std::make_unique<ElementwiseFuser>();
+  std::string known;
+  for (const std::string& n : KnownPassNames()) known += (known.empty() ? "" : ", ") + n;
+  throw Error(Str("unknown pass '", name, "' (known passes: ", known, "; 'all' is the training pipeline)"));
+}
+
+PassPipeline BuildPipeline(const std::vector<std::string>& names, const PipelineOptions& o) {
+  PassPipeline p;
+  for (const std::string& name : names) {
+    if (name != "all") {
+      p.Add(MakePass(name, o));
+      continue;
+    }
+    for (const char* n : kTrainingPasses)
+      if (o.shard_weight_update || std::string(n) != "weight-update-sharder") p.Add(MakePass(n, o));
+  }
+  return p;
+}
+
 PassPipeline BuildTrainingPipeline(const PipelineOptions& o) {
   PassPipeline p;
-  p.Add(std::make_unique<Autodiff>("loss"));
-  p.Add(std::make_unique<DataParallelLowering>(o.group_size));
-  p.Add(std::make_unique<OptimizerLowering>(o.optimizer));
-  p.Add(std::make_unique<WeightUpdateSharder>(ShardingOptions{o.group_size, o.gather_at_start}));
-  p.Add(std::make_unique<CollectiveCombiner>(o.combine_bytes, o.combine_count));
+  for (const char* n : kTrainingPasses) p.Add(MakePass(n, o));
   if (!o.shard_weight_update) p.Disable("weight-update-sharder");
   return p;
 }

@@ -19,6 +19,11 @@ class PassPipeline {
   PassPipeline& Disable(const std::string& name) { disabled_.insert(name); return *this; }
   // Stops after the pass with this name (the module is left as that pass produced it).
   PassPipeline& StopAfter(const std::string& name) { stop_after_ = name; return *this; }
+  // The module comes from outside (IR text): a pass that turns the verified input into an invalid
+  // module throws shardstep::Error naming the pass and the broken invariant, instead of aborting as
+  // for a module the DSL built (the pass should have rejected an input it cannot handle; a bug to fix,
+  // but the user's run ends with a message, not a crash).
+  PassPipeline& ExternalInput(bool on = true) { external_input_ = on; return *this; }
   // Called after each pass that ran, with its name and the module.
   PassPipeline& OnPass(std::function<void(const Pass&, const Module&)> f) { on_pass_ = std::move(f); return *this; }
   std::vector<std::string> Names() const;
@@ -29,6 +34,7 @@ class PassPipeline {
   std::vector<std::unique_ptr<Pass>> passes_;
   std::set<std::string> disabled_;
   std::string stop_after_;
+  bool external_input_ = false;
   std::function<void(const Pass&, const Module&)> on_pass_;
 };
 
@@ -45,5 +51,16 @@ struct PipelineOptions {
 
 // autodiff -> data-parallel-lowering -> optimizer-lowering -> weight-update-sharder -> collective-combiner
 PassPipeline BuildTrainingPipeline(const PipelineOptions& options);
+
+// Every pass that can be run by name: the training pipeline's, in its order, then elementwise-fuser.
+std::vector<std::string> KnownPassNames();
+// The pass called `name`, configured from `options` (the optimizer for optimizer-lowering, the group
+// size for data-parallel-lowering and weight-update-sharder, ...). Throws shardstep::Error
+// "unknown pass 'x' (known passes: autodiff, ...)" for any other name.
+std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& options);
+// A pipeline of the passes `names`, in that order; "all" stands for the training pipeline's passes
+// (BuildTrainingPipeline: weight-update-sharder only when options.shard_weight_update). A name given
+// twice runs twice. Throws as MakePass for an unknown name.
+PassPipeline BuildPipeline(const std::vector<std::string>& names, const PipelineOptions& options);
 
 }  // namespace shardstep::ir

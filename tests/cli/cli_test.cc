@@ -62,7 +62,7 @@ TEST_CASE("a missing dataset or a corrupt checkpoint is a clear error, not a cra
   std::string dir = TempDir();
   auto r = Run("train --steps 1 --hidden 8 --data-dir " + dir);
   CHECK(r.status == 1);
-  CHECK_THAT(r.output, Catch::Contains("cannot open"));
+  CHECK_THAT(r.output, Catch::Contains("--data-dir " + dir));
   CHECK_THAT(r.output, Catch::Contains("train-images-idx3-ubyte.gz"));
 
   std::string bad = dir + "/bad.safetensors";
@@ -149,7 +149,7 @@ TEST_CASE("a short run writes JSON Lines metrics and a loadable checkpoint; a co
   CHECK_THAT(head, Catch::StartsWith("<svg"));
   r = Run("train --config " + dir + "/run.toml --steps 20 --plot-out " + dir + "/no/such/dir/run.svg");
   CHECK(r.status != 0);
-  CHECK_THAT(r.output, Catch::Contains("cannot write plot file " + dir + "/no/such/dir/run.svg"));
+  CHECK_THAT(r.output, Catch::Contains("cannot write --plot-out " + dir + "/no/such/dir/run.svg"));
   CHECK_THAT(r.output, !Catch::Contains("step 1/"));
   std::filesystem::remove_all(dir);
 }
