@@ -25,6 +25,7 @@
 // (avg pooling, scatter-add, s32 division) -> the interpreter's own kernel on a one-op module, so
 // every op of the table runs.
 #include "jit/compiled_step.h"
+#include "jit/jit_source_hash.h"
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -82,8 +83,9 @@ class Strides {
   int n_ = 0;
 };
 
-// Bump when the emitted code changes, so stale cache entries are never used.
-constexpr const char* kEmitterVersion = "shardstep-jit-6";
+// Changes with every change to jit/ (a build-time hash of its sources), so stale cache entries are
+// never used.
+constexpr const char* kEmitterVersion = "shardstep-jit-" SS_JIT_SOURCE_HASH;
 constexpr int64_t kArenaAlign = 64;
 
 int FusionGroup(const ir::Instr& in) { return static_cast<int>(in.GetInt(ir::kFusionAttr, -1)); }
