@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks shardstep's LAMB / LARS per-step MLP losses against an independent NumPy implementation of the papers."""
+"""Checks shardstep's LAMB / LARS MLP training (per-step losses, final weights and optimizer state), replicated or
+sharded (--replicas N --shard-weight-update on), against an independent NumPy implementation of the papers."""
 # LAMB: You et al. 2019, "Large Batch Optimization for Deep Learning", Algorithm 2 with bias correction:
 #   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  r = (m/(1-b1^t)) / (sqrt(v/(1-b2^t)) + eps) + wd w
 #   w -= lr * (||w|| / ||r||) * r            (trust ratio per tensor; 1 when either norm is 0)
@@ -8,9 +9,11 @@
 #   v = mom v + lr * local_lr * (g + wd w);  w -= v
 # g is the gradient after global-norm clipping (torch.nn.utils.clip_grad_norm_ semantics: scale by
 # min(1, max_norm / (norm + 1e-6))), lr follows the linear warm-up min(1, (t+1)/warmup) at 0-based step t.
-# The MLP (dense w stored [in, out], ReLU, mean softmax cross-entropy) is differentiated by hand.
-# Arithmetic is float64: shardstep's float32 rounding (~1e-7 per step) stays far below the 1e-4 tolerance
-# over 20 steps, and float64 makes this an oracle for the maths rather than for one rounding order.
+# The MLP (dense w stored [in, out], ReLU, mean softmax cross-entropy) is differentiated by hand. The per-tensor
+# norms are of the logical (unpadded) tensors: sharded shardstep must get the same from partial sums over padded
+# shards. Final state compared: <w> (weights), <w>/m and <w>/v (LAMB), <w>/momentum (LARS velocity).
+# Arithmetic is float64 (this is a float64 parity mode): what is left is shardstep's own float32 rounding, see
+# the tolerances in parity_common.py; float64 makes this an oracle for the maths rather than for one rounding order.
 import argparse, os, sys, tempfile, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parity_common as pc
@@ -53,17 +56,24 @@ def main():
     ap.add_argument("--trust-coefficient", type=float, default=0.001, help="LARS eta")
     a = ap.parse_args()
     a.lr = a.lr if a.lr is not None else DEFAULT_LR[a.optimizer]
+    pc.check_args(a)
 
     extra = ["--model", "mlp", "--hidden", a.hidden, "--optimizer", a.optimizer, "--lr", repr(a.lr),
              "--weight-decay", repr(a.weight_decay)]
     if a.optimizer == "lamb": extra += ["--beta1", repr(a.beta1), "--beta2", repr(a.beta2), "--eps", repr(a.eps)]
     else: extra += ["--momentum", repr(a.momentum), "--trust-coefficient", repr(a.trust_coefficient)]
     with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
-        init, ours, secs = pc.run_shardstep(a, extra, tmp)
+        init, ours, final, secs = pc.run_shardstep(a, extra, tmp)
+    dims = [784] + [int(h) for h in a.hidden.split(",")] + [10]
+    n_layers = len(dims) - 1
+    shapes = {n: s for i in range(1, len(dims)) for n, s in ((f"fc{i}.w", (dims[i - 1], dims[i])), (f"fc{i}.b", (dims[i],)))}
+    slot_names = ("m", "v") if a.optimizer == "lamb" else ("momentum",)
+    pc.check_initial_state(init, shapes, {s: 0.0 for s in slot_names})
 
     t0 = time.time()
     p = {k: v.astype(np.float64) for k, v in init.items() if k.startswith("fc") and "/" not in k}
-    n_layers = len(a.hidden.split(",")) + 1
+    pc.perturb_initial(a, p)
+    lr0 = pc.reference_lr(a)
     s1 = {k: np.zeros_like(v) for k, v in p.items()}  # LAMB m / LARS velocity
     s2 = {k: np.zeros_like(v) for k, v in p.items()}  # LAMB v
     images, labels = pc.load_fashion_mnist(a.data_dir, a.steps * a.batch)
@@ -76,7 +86,7 @@ def main():
         if a.clip_norm > 0:
             coef = min(1.0, a.clip_norm / (np.sqrt(sum(np.sum(v * v) for v in g.values())) + 1e-6))
             g = {k: v * coef for k, v in g.items()}
-        lr = a.lr * (min(1.0, (i + 1) / a.warmup_steps) if a.warmup_steps > 0 else 1.0)
+        lr = lr0 * (min(1.0, (i + 1) / a.warmup_steps) if a.warmup_steps > 0 else 1.0)
         t = i + 1
         for k in p:
             w = p[k]
@@ -91,7 +101,15 @@ def main():
                 local = a.trust_coefficient * wn / (gn + wd * wn) if wn > 0 and gn > 0 else 1.0
                 s1[k] = a.momentum * s1[k] + lr * local * (g[k] + wd * w)
                 p[k] = w - s1[k]
-    return pc.compare(f"mlp {a.optimizer} lr={a.lr} wd={wd}", ours, theirs, "numpy", a.tol, secs, time.time() - t0)
+    ref = dict(p)
+    for k in p:
+        if a.optimizer == "lamb": ref[f"{k}/m"], ref[f"{k}/v"] = s1[k], s2[k]
+        else: ref[f"{k}/momentum"] = s1[k]
+    label = (f"mlp {a.optimizer} lr={a.lr} wd={wd} clip={a.clip_norm} warmup={a.warmup_steps} batch={a.batch} "
+             f"replicas={a.replicas}" + (f" shard={a.shard_weight_update}" if a.shard_weight_update else "") + " vs numpy float64")
+    bad = pc.compare(label, ours, theirs, "numpy", a.tol, secs, time.time() - t0)
+    bad += pc.compare_state(label, final, ref, "numpy", a.state_rtol)
+    return pc.finish(label, bad)
 
 
 if __name__ == "__main__":

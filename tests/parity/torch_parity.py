@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""Checks that `shardstep train` per-step losses match PyTorch 1.13 (same init, batches, optimizer, clipping, warm-up)."""
-# Runs shardstep for N steps (--no-shuffle, --save-init, --metrics-out, --clip-norm, --schedule warmup) in a temp dir,
-# rebuilds the model functionally in torch (weights kept in shardstep's layout: dense w is [in, out], conv w is OIHW),
-# feeds the same Fashion-MNIST batches (read from the IDX .gz files here), steps torch.optim + clip_grad_norm_ +
-# LambdaLR, and asserts every step's loss agrees within --tol relative. Exit 1 on mismatch. Needs /usr/bin/python3.
-# torch runs in float32 (2 threads) unless --dtype float64; the initial weights are shardstep's float32 values.
+"""Checks `shardstep train` against PyTorch 1.13: per-step losses and the final weights and optimizer state
+(same init, batches, optimizer, clipping, warm-up), replicated or sharded (--replicas N --shard-weight-update on)."""
+# Runs shardstep for --steps steps (--no-shuffle, --save-init, --save, --metrics-out, --clip-norm, --schedule warmup,
+# --replicas) in a temp dir, checks the initial checkpoint is the logical step-0 state, rebuilds the model
+# functionally in torch from it (weights kept in shardstep's layout: dense w is [in, out] and used as x @ w, conv w
+# is OIHW, so no transposes), feeds the same Fashion-MNIST batches (read from the IDX .gz files here; the global
+# batch, which shardstep splits over its replicas), steps torch.optim + clip_grad_norm_ + LambdaLR, and asserts
+# every step's loss and every element of the final weights and optimizer state (torch's momentum_buffer, exp_avg,
+# exp_avg_sq, sum = shardstep's <w>/momentum, /m, /v, /sum) agree within the tolerances of parity_common.py.
+# Exit 1 on mismatch. torch runs in float32 (1 thread for the MLP, 2 for the CNN) unless --dtype float64; the
+# initial weights are shardstep's float32 values either way.
 import argparse, os, sys, tempfile, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parity_common as pc
@@ -28,6 +33,15 @@ def forward(model, p, x):
     return h @ p["fc2.w"] + p["fc2.b"]
 
 
+def expected_shapes(a):
+    """Logical weight shapes in shardstep's layout (dense w [in, out], conv w OIHW)."""
+    if a.model == "mlp":
+        dims = [784] + [int(h) for h in a.hidden.split(",")] + [10]
+        return {n: s for i in range(1, len(dims)) for n, s in ((f"fc{i}.w", (dims[i - 1], dims[i])), (f"fc{i}.b", (dims[i],)))}
+    return {"conv1.w": (32, 1, 3, 3), "conv1.b": (32,), "conv2.w": (64, 32, 3, 3), "conv2.b": (64,),
+            "fc1.w": (64 * 7 * 7, 128), "fc1.b": (128,), "fc2.w": (128, 10), "fc2.b": (10,)}
+
+
 def make_optimizer(a, params):
     wd = a.weight_decay
     if a.optimizer == "sgd": return torch.optim.SGD(params, lr=a.lr, weight_decay=wd)
@@ -38,6 +52,30 @@ def make_optimizer(a, params):
         return torch.optim.Adagrad(params, lr=a.lr, eps=1e-10, weight_decay=wd,
                                    initial_accumulator_value=a.initial_accumulator)
     raise SystemExit(f"unknown optimizer {a.optimizer}")
+
+
+def train(a, dt, start, slots, images, labels):
+    """Trains the torch reference in dtype dt from `start`; returns (per-step losses, final weights and state in
+    shardstep's names: torch's momentum_buffer, exp_avg, exp_avg_sq, sum -> <w>/momentum, /m, /v, /sum)."""
+    params = {k: torch.tensor(v, dtype=dt, requires_grad=True) for k, v in start.items()}
+    opt = make_optimizer(a, list(params.values()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / a.warmup_steps) if a.warmup_steps > 0 else 1.0)
+    losses = []
+    for i in range(a.steps):
+        x = torch.from_numpy(images[i * a.batch:(i + 1) * a.batch]).to(dt)
+        y = torch.from_numpy(labels[i * a.batch:(i + 1) * a.batch]).long()
+        opt.zero_grad()
+        loss = F.cross_entropy(forward(a.model, params, x), y)
+        loss.backward()
+        if a.clip_norm > 0: torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip_norm)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    torch_slot = {"momentum": "momentum_buffer", "m": "exp_avg", "v": "exp_avg_sq", "sum": "sum"}
+    ref = {k: p.detach().numpy() for k, p in params.items()}
+    for k, p in params.items():
+        for s in slots: ref[f"{k}/{s}"] = opt.state[p][torch_slot[s]].numpy()
+    return losses, ref
 
 
 def main():
@@ -51,9 +89,13 @@ def main():
     ap.add_argument("--initial-accumulator", type=float, default=0.0, help="Adagrad's initial accumulator")
     ap.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                     help="torch precision (float64 where torch's own float32 rounding is amplified past --tol)")
+    ap.add_argument("--float32-noise", action="store_true",
+                    help="with --dtype float64: also train torch in float32; a tensor's tolerance is at least torch "
+                         "float32's own distance from float64 on it (shardstep must be as close as PyTorch float32)")
     a = ap.parse_args()
     a.lr = a.lr if a.lr is not None else DEFAULT_LR[a.optimizer]
-    torch.set_num_threads(2)
+    pc.check_args(a)
+    torch.set_num_threads(2 if a.model == "cnn" else 1)  # the MLP's matrices are too small for threads to pay
     torch.manual_seed(0)
 
     extra = ["--model", a.model, "--optimizer", a.optimizer, "--lr", repr(a.lr), "--weight-decay", repr(a.weight_decay)]
@@ -61,27 +103,30 @@ def main():
     if a.optimizer == "adagrad": extra += ["--initial-accumulator", repr(a.initial_accumulator)]
     if a.optimizer == "momentum": extra += ["--momentum", repr(a.momentum)] + (["--nesterov"] if a.nesterov else [])
     with tempfile.TemporaryDirectory(prefix="parity_") as tmp:
-        init, ours, secs = pc.run_shardstep(a, extra, tmp)
+        init, ours, final, secs = pc.run_shardstep(a, extra, tmp)
+    slots = {"sgd": {}, "momentum": {"momentum": 0.0}, "adam": {"m": 0.0, "v": 0.0}, "adamw": {"m": 0.0, "v": 0.0},
+             "adagrad": {"sum": a.initial_accumulator}}[a.optimizer]
+    pc.check_initial_state(init, expected_shapes(a), slots)
 
     t0 = time.time()
-    dt = getattr(torch, a.dtype)
-    params = {k: torch.tensor(v, dtype=dt, requires_grad=True) for k, v in init.items() if k != "step" and "/" not in k}
-    opt = make_optimizer(a, list(params.values()))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / a.warmup_steps) if a.warmup_steps > 0 else 1.0)
+    start = {k: v.copy() for k, v in init.items() if k != "step" and "/" not in k}
+    pc.perturb_initial(a, start)
+    a.lr = pc.reference_lr(a)
     images, labels = pc.load_fashion_mnist(a.data_dir, a.steps * a.batch)
-    theirs = []
-    for i in range(a.steps):
-        x = torch.from_numpy(images[i * a.batch:(i + 1) * a.batch]).to(dt)
-        y = torch.from_numpy(labels[i * a.batch:(i + 1) * a.batch]).long()
-        opt.zero_grad()
-        loss = F.cross_entropy(forward(a.model, params, x), y)
-        loss.backward()
-        if a.clip_norm > 0: torch.nn.utils.clip_grad_norm_(list(params.values()), a.clip_norm)
-        opt.step()
-        sched.step()
-        theirs.append(loss.item())
-    label = f"{a.model} {a.optimizer} lr={a.lr} wd={a.weight_decay}" + (" nesterov" if a.nesterov else "") + f" torch {a.dtype}"
-    return pc.compare(label, ours, theirs, "torch", a.tol, secs, time.time() - t0)
+    theirs, ref = train(a, getattr(torch, a.dtype), start, slots, images, labels)
+    rtols = None
+    if a.float32_noise:
+        if a.dtype != "float64": sys.exit("--float32-noise needs --dtype float64")
+        _, ref32 = train(a, torch.float32, start, slots, images, labels)
+        print("torch float32's own distance from float64, per tensor (the tolerance where it exceeds --state-rtol):")
+        rtols = {k: max(a.state_rtol, pc.max_rel_diff(ref32[k], ref[k])) for k in ref}
+        print("  " + ", ".join(f"{k} {v:.2e}" for k, v in sorted(rtols.items()) if v > a.state_rtol))
+    label = (f"{a.model} {a.optimizer} lr={a.lr} wd={a.weight_decay}" + (" nesterov" if a.nesterov else "") +
+             f" clip={a.clip_norm} warmup={a.warmup_steps} batch={a.batch} replicas={a.replicas}" +
+             (f" shard={a.shard_weight_update}" if a.shard_weight_update else "") + f" vs torch {a.dtype}")
+    bad = pc.compare(label, ours, theirs, "torch", a.tol, secs, time.time() - t0)
+    bad += pc.compare_state(label, final, ref, "torch", a.state_rtol, rtols)
+    return pc.finish(label, bad)
 
 
 if __name__ == "__main__":
