@@ -3,7 +3,7 @@ BUILD ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 
-.PHONY: setup configure build train test clean
+.PHONY: setup configure build train test sanitize fuzz clean
 
 setup:
 	@bash scripts/setup
@@ -22,6 +22,16 @@ train: build
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) -L fast
 	cd $(BUILD) && ctest --output-on-failure -j 1 -L slow
+
+# Sanitizer builds of the suite (ASan+UBSan of every test, TSan of the runtime, collectives and
+# executor tests), each in its own build directory.
+sanitize: setup
+	@bash scripts/sanitize
+
+# libFuzzer targets (clang-14), each run for FUZZ_SECONDS on its corpus.
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	@bash scripts/fuzz $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD)
