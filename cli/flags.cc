@@ -94,6 +94,11 @@ void AddPipelineFlags(CLI::App* app, ProgramFlags* f) {
       ->check(kNonNegativeInt)->capture_default_str();
   app->add_option("--combine-threshold-count", f->combine_count, "combine at most this many collectives")
       ->check(kNonNegativeInt)->capture_default_str();
+  app->add_option("--on-nonfinite", f->on_nonfinite,
+                  "a step with a NaN/inf loss or gradient: stop (exit naming the step and the first non-finite "
+                  "tensor; the state stays that of the step before), skip (leave weights and optimizer state "
+                  "unchanged, count it, go on) or ignore (no check in the step)")
+      ->check(CLI::IsMember({"stop", "skip", "ignore"}))->capture_default_str();
 }
 
 namespace {
@@ -147,6 +152,7 @@ ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int 
   o.gather_at_start = f.gather_weights == "start";
   o.combine_bytes = f.combine_bytes;
   o.combine_count = f.combine_count;
+  o.nonfinite_guard = f.on_nonfinite != "ignore";
   return o;
 }
 

@@ -46,6 +46,7 @@ struct ProgramFlags {
   std::string shard_weight_update = "auto";
   std::string gather_weights = "end";
   int64_t combine_bytes = 4 << 20, combine_count = 64;
+  std::string on_nonfinite = "stop";   // stop|skip|ignore (stop and skip add the nonfinite-guard pass)
 };
 
 // The flags that choose the model (--model, --hidden, --batch, --replicas, --seed), returned so a

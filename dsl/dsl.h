@@ -101,6 +101,8 @@ class TrainBuilder {
   TrainBuilder& replica_group_size(int n) { o_.group_size = n; return *this; }
   TrainBuilder& shard_weight_update(bool on) { o_.shard_weight_update = on; return *this; }
   TrainBuilder& gather_weights_at_start(bool on) { o_.gather_at_start = on; return *this; }
+  // A step with a NaN/inf loss or gradient changes no state and outputs "step_finite" = 0 (ir/passes/nonfinite_guard.h).
+  TrainBuilder& nonfinite_guard(bool on) { o_.nonfinite_guard = on; return *this; }
   TrainBuilder& combine_thresholds(int64_t bytes, int64_t count) { o_.combine_bytes = bytes; o_.combine_count = count; return *this; }
   // All pipeline options at once (the CLI uses this).
   TrainBuilder& options(const ir::PipelineOptions& o) { o_ = o; return *this; }

@@ -8,12 +8,15 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
-#include <cstring>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <string_view>
 #include <tuple>
 #include <vector>
+#include <zlib.h>
 
 #include "ir/error.h"
 #include "runtime/atomic_file.h"
@@ -107,6 +110,52 @@ Entry ParseEntry(const std::string& path, const std::string& name, const json& v
   return e;
 }
 
+// The checksum entry as it appears in the header text (nlohmann's dump: no spaces), before the 8 hex digits.
+std::string ChecksumNeedle() { return Str("\"", kChecksumKey, "\":\""); }
+
+uint32_t Crc32(uint32_t crc, const void* data, size_t n) {
+  if (n == 0) return crc;  // zlib returns its initial value for a null buffer (an empty tensor's)
+  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), n));
+}
+
+std::string Hex8(uint32_t v) {
+  char buf[9];
+  std::snprintf(buf, sizeof(buf), "%08x", v);
+  return buf;
+}
+
+// Checks the file's checksum (see checkpoint.h) when its metadata holds one. A key one character away
+// from kChecksumKey (a flipped bit in the key) is corruption, not an old file without a checksum.
+bool VerifyChecksum(const std::string& path, const std::string& bytes, uint64_t header_end,
+                    const std::map<std::string, std::string>& meta) {
+  const std::string key = kChecksumKey;
+  for (const auto& [k, v] : meta) {
+    if (k == key || k.size() != key.size()) continue;
+    int diff = 0;
+    for (size_t i = 0; i < k.size(); ++i) diff += k[i] != key[i];
+    if (diff == 1) throw Error(Str(path, ": corrupt header: metadata key '", k, "' is a damaged '", key, "'"));
+  }
+  auto it = meta.find(key);
+  if (it == meta.end()) return false;
+  const std::string& stored = it->second;
+  if (stored.size() != 8 || stored.find_first_not_of("0123456789abcdef") != std::string::npos)
+    throw Error(Str(path, ": corrupt header: checksum '", stored, "' is not 8 lower-case hex digits"));
+  // The entry must occur once in the header text; it is hashed as "00000000".
+  const std::string needle = ChecksumNeedle() + stored + "\"";
+  const std::string_view header(bytes.data(), header_end);
+  const size_t at = header.find(needle);
+  if (at == std::string::npos || header.find(needle, at + 1) != std::string::npos)
+    throw Error(Str(path, ": corrupt header: the checksum entry does not appear exactly once in the header text"));
+  const size_t digits = at + needle.size() - 9;
+  uint32_t crc = Crc32(0, bytes.data(), digits);
+  crc = Crc32(crc, "00000000", 8);
+  crc = Crc32(crc, bytes.data() + digits + 8, bytes.size() - digits - 8);
+  if (Hex8(crc) != stored)
+    throw Error(Str(path, ": checksum mismatch: the file is corrupt (", kChecksumKey, " ", stored,
+                    " in the header, ", Hex8(crc), " computed over the ", bytes.size(), " bytes)"));
+  return true;
+}
+
 }  // namespace
 
 void SaveCheckpoint(const std::string& path, const std::map<std::string, Tensor>& tensors,
@@ -127,7 +176,9 @@ void SaveCheckpoint(const std::string& path, const std::map<std::string, Tensor>
                     {"data_offsets", json::array({offset, offset + bytes})}};
     offset += bytes;
   }
-  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::map<std::string, std::string> meta = metadata;
+  meta[kChecksumKey] = "00000000";  // the placeholder the checksum is computed with
+  header["__metadata__"] = meta;
   std::string text;
   try {
     text = header.dump();
@@ -138,15 +189,31 @@ void SaveCheckpoint(const std::string& path, const std::map<std::string, Tensor>
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
 
-  // 2. Write a temporary file next to the target, fsync, rename over the target.
+  // 2. The checksum: CRC32 of the whole file with its own 8 hex digits as "00000000".
+  const std::string needle = ChecksumNeedle() + "00000000\"";
+  const size_t at = text.find(ChecksumNeedle());
+  if (at == std::string::npos || text.compare(at, needle.size(), needle) != 0 ||
+      text.find(ChecksumNeedle(), at + 1) != std::string::npos)
+    throw Error(Str(path, ": cannot save checkpoint: a tensor or metadata name contains ", ChecksumNeedle()));
+  uint32_t crc = Crc32(0, len, sizeof(len));
+  crc = Crc32(crc, text.data(), text.size());
+  for (const auto& [name, t] : tensors) crc = Crc32(crc, t.raw(), static_cast<size_t>(t.bytes()));
+  text.replace(at + needle.size() - 9, 8, Hex8(crc));
+
+  // 3. Write a temporary file next to the target, fsync, rename over the target.
   std::vector<std::pair<const void*, size_t>> pieces = {{len, sizeof(len)}, {text.data(), text.size()}};
   for (const auto& [name, t] : tensors) pieces.push_back({t.raw(), static_cast<size_t>(t.bytes())});
   WriteFileAtomically(path, pieces, "checkpoint");
 }
 
 std::map<std::string, Tensor> LoadCheckpoint(const std::string& path,
-                                             std::map<std::string, std::string>* metadata) {
-  const std::string bytes = ReadFile(path);
+                                             std::map<std::string, std::string>* metadata, bool* checksummed) {
+  return LoadCheckpointFromBytes(ReadFile(path), path, metadata, checksummed);
+}
+
+std::map<std::string, Tensor> LoadCheckpointFromBytes(const std::string& bytes, const std::string& path,
+                                                      std::map<std::string, std::string>* metadata,
+                                                      bool* checksummed) {
   const uint64_t size = bytes.size();
   if (size < 8) {
     throw Error(Str(path, ": truncated: file is ", size, " bytes, too short for the 8-byte header length"));
@@ -180,6 +247,8 @@ std::map<std::string, Tensor> LoadCheckpoint(const std::string& path,
       meta[k] = s.get<std::string>();
     }
   }
+  const bool verified = VerifyChecksum(path, bytes, 8 + n, meta);
+  meta.erase(kChecksumKey);
 
   // The byte ranges must tile the data buffer: no overlap, no gap, nothing left over.
   std::vector<const Entry*> sorted;
@@ -211,6 +280,7 @@ std::map<std::string, Tensor> LoadCheckpoint(const std::string& path,
     out.emplace(e.name, std::move(t));
   }
   if (metadata) *metadata = std::move(meta);
+  if (checksummed) *checksummed = verified;
   return out;
 }
 

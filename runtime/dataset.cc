@@ -111,11 +111,12 @@ IdxFile ReadIdx(const std::string& path, uint32_t magic, const char* kind) {
   }
   std::string what = ndims == 3 ? Str(f.dims[0], " images of ", f.dims[1], "x", f.dims[2])
                                 : Str(f.dims[0], " labels");
-  // Grow as we read, so a lying header cannot make us allocate more than the file holds.
-  constexpr uint64_t kChunk = uint64_t{16} << 20;
+  // Grow as we read, doubling from 64 KiB, so a lying header cannot make us allocate more than about
+  // twice what the file holds (a fixed 16 MiB first chunk made every tiny corrupt file cost 16 MiB).
+  constexpr uint64_t kFirstChunk = uint64_t{64} << 10;
   while (f.data.size() < total) {
     size_t old = f.data.size();
-    size_t want = static_cast<size_t>(std::min<uint64_t>(total - old, kChunk));
+    size_t want = static_cast<size_t>(std::min<uint64_t>(total - old, std::max<uint64_t>(old, kFirstChunk)));
     f.data.resize(old + want);
     size_t n = in.Read(f.data.data() + old, want);
     if (n < want) {
@@ -237,6 +238,14 @@ void BatchIterator::StartEpoch(int64_t epoch) {
   if (!shuffle_) return;
   SplitMix64 rng(seed_ + static_cast<uint64_t>(epoch));
   for (int64_t i = n - 1; i > 0; --i) std::swap(order_[i], order_[rng.Below(i + 1)]);
+}
+
+void BatchIterator::Seek(int64_t epoch, int64_t position) {
+  if (epoch < 0 || position < 0 || position > data_->size())
+    throw Error(Str("BatchIterator: cannot seek to epoch ", epoch, " position ", position, " of a dataset of ",
+                    data_->size()));
+  StartEpoch(epoch);
+  pos_ = position;
 }
 
 void BatchIterator::Next(Tensor* images, Tensor* labels) {

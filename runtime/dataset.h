@@ -58,6 +58,12 @@ class BatchIterator {
   // Epoch of the batch most recently returned by Next (0 before the first call).
   int64_t epoch() const { return epoch_; }
   int64_t batches_per_epoch() const { return data_->size() / batch_; }
+  // Examples of the current epoch's order already handed out; with epoch() the whole data-order state
+  // (the order itself follows from the seed and the epoch), saved in periodic checkpoints.
+  int64_t position() const { return pos_; }
+  // Continues as an iterator that has reached (epoch, position) would (resume from a checkpoint).
+  // Throws shardstep::Error when position is outside [0, dataset size] or epoch is negative.
+  void Seek(int64_t epoch, int64_t position);
 
  private:
   void StartEpoch(int64_t epoch);

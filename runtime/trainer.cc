@@ -12,7 +12,11 @@
 #include <ostream>
 
 #include "ir/error.h"
+#include "ir/passes/nonfinite_guard.h"
+#include "ir/printer.h"
 #include "runtime/checkpoint.h"
+#include "runtime/checkpoint_dir.h"
+#include "runtime/metrics_file.h"
 
 namespace shardstep::runtime {
 namespace {
@@ -37,6 +41,52 @@ std::string Num(double v) {
 }
 
 }  // namespace
+
+namespace {
+
+// "" when every element of `t` is finite, else "(3 of 784 elements non-finite, first at index 5: nan)".
+std::string NonfiniteElements(const Tensor& t) {
+  if (t.dtype() != ir::DType::kF32) return "";
+  int64_t count = 0, first = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(t.f32.size()); ++i)
+    if (!std::isfinite(t.f32[i])) {
+      if (first < 0) first = i;
+      ++count;
+    }
+  if (count == 0) return "";
+  return Str("(", count, " of ", t.f32.size(), " elements non-finite, first at index ", first, ": ", t.f32[first], ")");
+}
+
+}  // namespace
+
+std::string DescribeNonfiniteStep(int64_t step, const TensorMap& inputs, const TensorMap& outputs, const TensorMap& state) {
+  const std::string prefix = ir::kGradCheckOutputPrefix;
+  // What the step's check saw.
+  std::vector<std::string> grads;
+  for (auto& [name, t] : outputs)
+    if (name.rfind(prefix, 0) == 0 && !NonfiniteElements(t).empty()) grads.push_back(ir::PrintName(name.substr(prefix.size())));
+  auto loss = outputs.find("loss");
+  const bool bad_loss = loss != outputs.end() && !NonfiniteElements(loss->second).empty();
+  std::string saw;
+  if (bad_loss) saw = Str("loss (", loss->second.f32[0], ")");
+  if (!grads.empty()) {
+    saw += Str(saw.empty() ? "" : " and ", "gradients of ");
+    for (size_t i = 0; i < grads.size() && i < 3; ++i) saw += (i ? ", " : "") + grads[i];
+    if (grads.size() > 3) saw += Str(" and ", grads.size() - 3, " more");
+  }
+  if (saw.empty()) saw = "values";
+  // The first tensor holding one: inputs, the state the step started from, the loss, the gradients.
+  std::string first;
+  for (auto& [name, t] : inputs)
+    if (first.empty() && !NonfiniteElements(t).empty()) first = Str("input ", ir::PrintName(name), " ", NonfiniteElements(t));
+  for (auto& [name, t] : state)
+    if (first.empty() && !NonfiniteElements(t).empty()) first = Str("variable ", ir::PrintName(name), " ", NonfiniteElements(t));
+  if (first.empty() && bad_loss) first = "the loss";
+  if (first.empty() && !grads.empty()) first = "gradient of " + grads[0];
+  if (first.empty()) first = "none found on the host (a value inside the step)";
+  return Str("step ", step, ": non-finite ", saw, "; first non-finite tensor: ", first,
+             "; step ", step, " changed no state");
+}
 
 int64_t CountCorrect(const Tensor& logits, const Tensor& labels) {
   const int64_t b = logits.shape()[0], c = logits.shape()[1];
@@ -76,10 +126,16 @@ void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, in
 TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset& train, const Dataset* test,
                   const TrainOptions& o, std::ostream& log) {
   std::ofstream metrics;
+  // Resuming: the curves of steps 1..start_step, from the metrics file when there is one (else NaN: blank).
+  TrainingCurves resumed_curves;
+  resumed_curves.loss.assign(o.start_step, std::nan(""));
+  resumed_curves.step_ms = resumed_curves.comm_ms = resumed_curves.loss;
   if (!o.metrics_out.empty()) {
-    metrics.open(o.metrics_out, std::ios::trunc);
+    // Resuming: the lines up to the checkpoint's step stay, later ones (steps redone now) go.
+    const bool append = o.start_step > 0 && KeepMetricsUpTo(o.metrics_out, o.start_step, &resumed_curves);
+    metrics.open(o.metrics_out, append ? std::ios::app : std::ios::trunc);
     if (!metrics) throw Error(Str("cannot write metrics file ", o.metrics_out));
-    if (!o.memory.empty()) {
+    if (!append && !o.memory.empty()) {
       metrics << "{\"memory\":{";
       for (size_t i = 0; i < o.memory.size(); ++i)
         metrics << (i ? "," : "") << "\"" << o.memory[i].first << "\":" << o.memory[i].second;
@@ -93,7 +149,10 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
       throw Error(Str("cannot write plot file ", o.plot_out, ": directory ", dir, ": ", std::strerror(errno)));
   }
   TrainResult result;
+  result.curves = std::move(resumed_curves);
   BatchIterator it(train, o.batch, o.shuffle, o.seed, o.example_shape);
+  if (o.start_step > 0) it.Seek(o.data_epoch, o.data_position);
+  result.skipped_steps = o.start_skipped_steps;
   auto eval = [&](int64_t step) {
     if (!test) return;
     auto t0 = Clock::now();
@@ -110,7 +169,7 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
   const auto start = Clock::now();
   auto window_start = start;
   int64_t window_steps = 0;
-  for (int64_t step = 1; step <= o.steps; ++step) {
+  for (int64_t step = o.start_step + 1; step <= o.steps; ++step) {
     TensorMap in;
     it.Next(&in["image"], &in["label"]);
     const double comm0 = exec.CommunicationSeconds();
@@ -123,30 +182,58 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
     result.curves.loss.push_back(loss);
     result.curves.step_ms.push_back(Seconds(t0, t1) * 1e3);
     result.curves.comm_ms.push_back(comm_ms);
-    if (!std::isfinite(loss)) throw Error(Str("loss became ", loss, " at step ", step, " (learning rate too high?)"));
+    // Non-finite values (the guarded step changed no state when step_finite is 0).
+    bool skipped = false;
+    auto finite = out.find(ir::kStepFiniteOutput);
+    const bool guarded = finite != out.end() && o.on_nonfinite != TrainOptions::OnNonfinite::kIgnore;
+    if (guarded && finite->second.f32[0] == 0) {
+      if (o.on_nonfinite == TrainOptions::OnNonfinite::kStop)
+        throw Error(DescribeNonfiniteStep(step, in, out, exec.LogicalState()) + " (--on-nonfinite stop)");
+      skipped = true;
+      ++result.skipped_steps;
+    }
+    if (!guarded && !std::isfinite(loss)) throw Error(Str("loss became ", loss, " at step ", step, " (learning rate too high?)"));
     ++window_steps;
     if (metrics)
       metrics << "{\"step\":" << step << ",\"loss\":" << Num(loss) << ",\"step_ms\":" << Num(Seconds(t0, t1) * 1e3)
-              << ",\"comm_ms\":" << Num(comm_ms) << ",\"epoch\":" << it.epoch() << "}\n";
+              << ",\"comm_ms\":" << Num(comm_ms) << ",\"epoch\":" << it.epoch()
+              << (skipped ? ",\"skipped\":true" : "")
+              << (guarded ? Str(",\"skipped_steps\":", result.skipped_steps) : std::string()) << "}\n";
     if (step % o.log_every == 0 || step == o.steps) {
       auto now = Clock::now();
       double rate = window_steps * o.batch / Seconds(window_start, now);
       double elapsed = Seconds(start, now);
       log << "step " << step << "/" << o.steps << "  loss " << std::fixed << std::setprecision(4) << loss
           << "  " << std::setprecision(0) << rate << " ex/s  elapsed " << Duration(elapsed) << "  ETA "
-          << Duration(elapsed / step * (o.steps - step)) << "\n" << std::defaultfloat << std::flush;
+          << Duration(elapsed / (step - o.start_step) * (o.steps - step))
+          << (result.skipped_steps ? Str("  skipped ", result.skipped_steps, " non-finite step(s)") : std::string()) << "\n"
+          << std::defaultfloat << std::flush;
       window_start = now;
       window_steps = 0;
     }
     if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps) eval(step);
+    if (o.save_every > 0 && step % o.save_every == 0) {
+      if (metrics) metrics.flush();  // a resume from this checkpoint keeps the metrics up to here
+      std::map<std::string, std::string> meta = o.checkpoint_metadata;
+      meta[kMetaTrainStep] = std::to_string(step);
+      meta[kMetaDataEpoch] = std::to_string(it.epoch());
+      meta[kMetaDataPosition] = std::to_string(it.position());
+      meta[kMetaSkippedSteps] = std::to_string(result.skipped_steps);
+      std::vector<std::string> removed;
+      const std::string path = SavePeriodicCheckpoint(o.checkpoint_dir, step, exec.LogicalState(), meta, o.keep, &removed);
+      log << "checkpoint " << path;
+      for (size_t i = 0; i < removed.size(); ++i) log << (i ? ", " : " (removed ") << removed[i];
+      log << (removed.empty() ? "" : ")") << "\n" << std::flush;
+    }
   }
-  result.examples_per_second = o.steps * o.batch / Seconds(start, Clock::now());
+  result.examples_per_second = (o.steps - o.start_step) * o.batch / Seconds(start, Clock::now());
   eval(o.steps);
   if (!o.plot_out.empty()) {
     WriteTrainingPlot(o.plot_out, result.curves, o.plot_title);
     log << "wrote plot " << o.plot_out << "\n";
   }
   if (!o.save.empty()) {
+    RemoveStaleTemporaryFiles(o.save, log);
     SaveCheckpoint(o.save, exec.LogicalState());
     log << "saved checkpoint " << o.save << "\n";
   }

@@ -6,6 +6,7 @@
 #include "ir/passes/collective_combiner.h"
 #include "ir/passes/data_parallel_lowering.h"
 #include "ir/passes/elementwise_fuser.h"
+#include "ir/passes/nonfinite_guard.h"
 #include "ir/passes/weight_update_sharder.h"
 #include "ir/verifier.h"
 
@@ -44,8 +45,15 @@ bool PassPipeline::Run(Module& m) {
 namespace {
 
 // The training pipeline's passes in order.
-const char* const kTrainingPasses[] = {"autodiff", "data-parallel-lowering", "optimizer-lowering",
+const char* const kTrainingPasses[] = {"autodiff", "data-parallel-lowering", "optimizer-lowering", "nonfinite-guard",
                                        "weight-update-sharder", "collective-combiner"};
+
+// Whether the training pipeline built from `o` runs pass `n`.
+bool RunsInTraining(const std::string& n, const PipelineOptions& o) {
+  if (n == "weight-update-sharder") return o.shard_weight_update;
+  if (n == "nonfinite-guard") return o.nonfinite_guard;
+  return true;
+}
 
 }  // namespace
 
@@ -59,6 +67,7 @@ std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& o
   if (name == "autodiff") return std::make_unique<Autodiff>("loss");
   if (name == "data-parallel-lowering") return std::make_unique<DataParallelLowering>(o.group_size);
   if (name == "optimizer-lowering") return std::make_unique<OptimizerLowering>(o.optimizer);
+  if (name == "nonfinite-guard") return std::make_unique<NonfiniteGuard>();
   if (name == "weight-update-sharder")
     return std::make_unique<WeightUpdateSharder>(ShardingOptions{o.group_size, o.gather_at_start});
   if (name == "collective-combiner") return std::make_unique<CollectiveCombiner>(o.combine_bytes, o.combine_count);
@@ -76,7 +85,7 @@ PassPipeline BuildPipeline(const std::vector<std::string>& names, const Pipeline
       continue;
     }
     for (const char* n : kTrainingPasses)
-      if (o.shard_weight_update || std::string(n) != "weight-update-sharder") p.Add(MakePass(n, o));
+      if (RunsInTraining(n, o)) p.Add(MakePass(n, o));
   }
   return p;
 }
@@ -85,6 +94,7 @@ PassPipeline BuildTrainingPipeline(const PipelineOptions& o) {
   PassPipeline p;
   for (const char* n : kTrainingPasses) p.Add(MakePass(n, o));
   if (!o.shard_weight_update) p.Disable("weight-update-sharder");
+  if (!o.nonfinite_guard) p.Disable("nonfinite-guard");
   return p;
 }
 

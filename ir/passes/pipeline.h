@@ -47,9 +47,14 @@ struct PipelineOptions {
   bool gather_at_start = false;    // all-gather placement: end of step (default) or start of the next
   int64_t combine_bytes = 4 << 20; // collective combining thresholds (0 bytes: no combining)
   int64_t combine_count = 64;
+  // nonfinite-guard after optimizer-lowering: a step with a non-finite loss or gradient changes no
+  // state and outputs "step_finite" = 0 (the CLI's --on-nonfinite stop|skip turn it on; ignore leaves
+  // it off).
+  bool nonfinite_guard = false;
 };
 
-// autodiff -> data-parallel-lowering -> optimizer-lowering -> weight-update-sharder -> collective-combiner
+// autodiff -> data-parallel-lowering -> optimizer-lowering -> [nonfinite-guard] -> weight-update-sharder
+// -> collective-combiner
 PassPipeline BuildTrainingPipeline(const PipelineOptions& options);
 
 // Every pass that can be run by name: the training pipeline's, in its order, then elementwise-fuser.
@@ -59,7 +64,8 @@ std::vector<std::string> KnownPassNames();
 // "unknown pass 'x' (known passes: autodiff, ...)" for any other name.
 std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& options);
 // A pipeline of the passes `names`, in that order; "all" stands for the training pipeline's passes
-// (BuildTrainingPipeline: weight-update-sharder only when options.shard_weight_update). A name given
+// (BuildTrainingPipeline: weight-update-sharder only when options.shard_weight_update, nonfinite-guard
+// only when options.nonfinite_guard). A name given
 // twice runs twice. Throws as MakePass for an unknown name.
 PassPipeline BuildPipeline(const std::vector<std::string>& names, const PipelineOptions& options);
 

@@ -79,9 +79,12 @@ TEST_CASE("compile --passes runs named passes; 'all' is the training pipeline") 
   REQUIRE(r.status == 0);
   CHECK(r.output == emit("combined"));
   const std::string opt = d.Write("opt.ir", emit("opt"));
+  r = Run("compile --ir " + opt + " --passes=nonfinite-guard,weight-update-sharder,collective-combiner");
+  REQUIRE(r.status == 0);
+  CHECK(r.output == emit("combined"));  // --on-nonfinite stop (the default) guards the step
   r = Run("compile --ir " + opt + " --passes=weight-update-sharder,collective-combiner");
   REQUIRE(r.status == 0);
-  CHECK(r.output == emit("combined"));
+  CHECK(r.output == Run("compile " + flags + " --on-nonfinite ignore --emit=combined").output);
   // A pass that does not apply is a clear error (the module already has its gradients).
   r = Run("compile --ir " + opt + " --passes=autodiff");
   CHECK(r.status == 1);
