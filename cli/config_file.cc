@@ -8,10 +8,15 @@
 #include <map>
 #include <sstream>
 
-#include "cli/flags.h"
 #include "ir/error.h"
 
 namespace shardstep::cli {
+
+// From cli/flags.h, declared here instead of including it: flags.h pulls in the DSL, and the reader
+// must also compile on its own (the config-file fuzz target, built with clang 14, which lacks
+// std::source_location).
+std::string ClosestMatch(const std::string& word, const std::vector<std::string>& candidates);
+
 namespace {
 
 bool IsBareKeyChar(char c) {

@@ -185,7 +185,7 @@ class InstrVerifier {
 void VerifyUpdates(const Module& m, const std::vector<std::pair<ValueId, ValueId>>& entries, const char* what) {
   std::set<ValueId> seen;
   for (const auto& [var, v] : entries) {
-    auto fail = [&](const std::string& why) {
+    auto fail = [&, var = var, v = v](const std::string& why) {  // init-captures: clang 14 cannot capture bindings
       throw Error(Str("module ", PrintName(m.name), ": ", what, " %", var, " = %", v, ": ", why));
     };
     if (var < 0 || var >= m.size() || m.instrs[var].op != OpCode::kVariable)
@@ -210,7 +210,7 @@ void Verify(const Module& m) {
   VerifyUpdates(m, m.assigns, "assign");
   std::set<std::string> outputs;
   for (const auto& [name, v] : m.outputs) {
-    auto fail = [&](const std::string& why) {
+    auto fail = [&, &name = name, v = v](const std::string& why) {  // init-captures: clang 14 cannot capture bindings
       throw Error(Str("module ", PrintName(m.name), ": output ", PrintName(name), " = %", v, ": ", why));
     };
     if (v < 0 || v >= m.size()) fail(Str("value %", v, " is not defined"));

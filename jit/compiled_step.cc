@@ -806,7 +806,7 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
   TensorMap outputs;
   for (const auto& [name, v] : m_.outputs) {
     Tensor t(m_.type(v));
-    std::memcpy(t.raw(), ws->ptr[v], t.bytes());
+    if (t.bytes() != 0) std::memcpy(t.raw(), ws->ptr[v], t.bytes());  // an empty output has no storage (null)
     outputs[name] = std::move(t);
   }
   Assign(variables, ws);

@@ -155,7 +155,8 @@ bool OptimizerLowering::Run(Module& m) {
   ValueId bc2 = one_minus_pow(c.beta2_);
 
   // 3. Updates.
-  for (auto [w, g] : grads) {
+  for (auto [w_, g] : grads) {
+    const ValueId w = w_;  // a variable, not a structured binding: clang 14 cannot capture bindings in lambdas
     const std::string wname = m.at(w).name;  // a copy: slot() appends to m.instrs
     TensorType wt = m.type(w);
     auto slot = [&](const std::string& name, double init = 0.0) {
