@@ -31,6 +31,9 @@ using Attrs = std::map<std::string, AttrValue>;
 inline constexpr const char* kRoleWeight = "weight";
 inline constexpr const char* kRoleOptimizerState = "optimizer_state";
 inline constexpr const char* kRoleStep = "step";
+// Non-trainable state updated by assignment in the forward pass (batch-norm running statistics):
+// never given a gradient, never touched by the optimizer, never sharded.
+inline constexpr const char* kRoleModelState = "model_state";
 
 struct Instr {
   OpCode op = OpCode::kConstant;

@@ -26,10 +26,30 @@ dsl::Tensor DefineCnn(dsl::Model& m, const ModelOptions& o) {
   return logits.cross_entropy(y).mean();
 }
 
+const char* TaskName(Task t) {
+  switch (t) {
+    case Task::kClassification: return "classification";
+    case Task::kLanguageModel: return "language_model";
+    case Task::kMaskedLm: return "masked_lm";
+  }
+  return "?";
+}
+
+const char* MetricName(Task t) {
+  switch (t) {
+    case Task::kClassification: return "accuracy";
+    case Task::kLanguageModel: return "bits_per_char";
+    case Task::kMaskedLm: return "masked_accuracy";
+  }
+  return "?";
+}
+
 const std::vector<ModelSpec>& AllModels() {
   static const std::vector<ModelSpec> models = {
-      {"mlp", "multi-layer perceptron on flattened 28x28 images (--hidden sets the widths)", {784}, DefineMlp},
-      {"cnn", "two 3x3 conv + max-pool blocks, then dense 128 and dense 10", {1, 28, 28}, DefineCnn},
+      {"mlp", "multi-layer perceptron on flattened 28x28 images (--hidden sets the widths)", Task::kClassification,
+       "fashion-mnist", {784}, DefineMlp},
+      {"cnn", "two 3x3 conv + max-pool blocks, then dense 128 and dense 10", Task::kClassification, "fashion-mnist",
+       {1, 28, 28}, DefineCnn},
   };
   return models;
 }
