@@ -10,6 +10,7 @@
 #include "cli/flags.h"
 #include "cli/ir_file.h"
 #include "cli/preflight.h"
+#include "ir/cost.h"
 #include "ir/error.h"
 #include "ir/memory_plan.h"
 #include "ir/passes/elementwise_fuser.h"
@@ -78,7 +79,7 @@ int RunEmit(const CompileFlags& c) {
   CheckOutputPath("-o", c.out_path);
   ir::Module module = BuildModule(f);
   ir::PipelineOptions po = PipelineFromFlags(f, 1000);
-  ir::Module before_sharding;
+  ir::Module before_sharding, grad;
   std::string sharding_report;
   if (c.emit != "ir" || c.report) {
     static const std::map<std::string, std::string> stop = {{"ir", ""},
@@ -94,6 +95,7 @@ int RunEmit(const CompileFlags& c) {
     pipeline.OnPass([&](const ir::Pass& p, const ir::Module& mod) {
       if (p.name() == stop.at(c.emit)) module = mod;
       if (p.name() == "optimizer-lowering") before_sharding = mod;
+      if (p.name() == "autodiff") grad = mod;
       if (auto* s = dynamic_cast<const ir::WeightUpdateSharder*>(&p)) sharding_report = s->report().ToString();
     });
     pipeline.Run(full);
@@ -102,6 +104,8 @@ int RunEmit(const CompileFlags& c) {
       std::ostringstream os;
       os << sharding_report << "before sharding " << ir::PlanMemory(before_sharding).ToString() << "after  sharding "
          << ir::PlanMemory(full).ToString();
+      // Parameters, FLOPs and activation memory (ir/cost.h), per replica.
+      os << ir::ComputeCost(grad, full, f.batch / std::max(1, f.replicas)).ToString();
       Write(os.str(), c.out_path);
       return 0;
     }
@@ -125,7 +129,8 @@ Command AddCompileCommand(CLI::App& app) {
           ->check(CLI::IsMember({"ir", "grad", "dp", "opt", "sharded", "combined", "fused", "llvm"}))
           ->capture_default_str();
   CLI::Option* report =
-      cmd->add_flag("--report", c->report, "print the per-variable sharding table and per-replica memory instead");
+      cmd->add_flag("--report", c->report, "print the per-variable sharding table, per-replica memory, parameters, FLOPs per example and "
+                    "activation memory instead");
   cmd->add_option("-o,--output", c->out_path, "write to this file (atomically) instead of stdout");
   CLI::Option* ir = cmd->add_option("--ir", c->ir_path,
                                     "read the module from this IR text file ('-': stdin) instead of building a model; "
@@ -139,7 +144,10 @@ Command AddCompileCommand(CLI::App& app) {
   for (CLI::Option* o : model) ir->excludes(o);
   ir->excludes(emit)->excludes(report);
   passes->excludes(emit)->excludes(report);
-  return {cmd, [c, ir, passes] { return !ir->empty() || passes->count() > 0 ? RunPasses(*c) : RunEmit(*c); }};
+  return {cmd, [c, ir, passes] {
+            if (ir->empty()) ResolveTextVocab(&c->program);  // text models: the corpus's vocabulary
+            return !ir->empty() || passes->count() > 0 ? RunPasses(*c) : RunEmit(*c);
+          }};
 }
 
 }  // namespace shardstep::cli

@@ -9,6 +9,7 @@
 
 #include "ir/error.h"
 #include "models/models.h"
+#include "runtime/text_data.h"
 
 namespace shardstep::cli {
 namespace {
@@ -53,9 +54,37 @@ const CLI::Validator kNonNegativeFloat =
 
 std::vector<CLI::Option*> AddModelFlags(CLI::App* app, ProgramFlags* f) {
   std::vector<std::string> model_names;
-  for (auto& s : models::AllModels()) model_names.push_back(s.name);
+  std::string listing;
+  for (auto& s : models::AllModels()) {
+    model_names.push_back(s.name);
+    listing += Str("\n    ", s.name, ": ", s.description, " [", models::TaskName(s.task), ", default --dataset ",
+                   s.dataset, "]");
+  }
   return {
-      app->add_option("--model", f->model, "model to train")->check(CLI::IsMember(model_names))->capture_default_str(),
+      app->add_option("--model", f->model, "model to train:" + listing)->check(CLI::IsMember(model_names))->capture_default_str(),
+      app->add_option("--context", f->context, "sequence models: context length T (0: the model's default)")
+          ->check(kNonNegativeInt),
+      app->add_option("--layers", f->layers, "sequence models: transformer blocks (0: the model's default)")
+          ->check(kNonNegativeInt),
+      app->add_option("--width", f->width, "sequence models: model width D (0: the model's default)")->check(kNonNegativeInt),
+      app->add_option("--heads", f->heads, "sequence models: attention heads (0: the model's default)")->check(kNonNegativeInt),
+      app->add_option("--mlp-width", f->mlp_width, "sequence models: MLP hidden width (0: 4 x --width)")
+          ->check(kNonNegativeInt),
+      app->add_option("--dropout", f->dropout, "dropout probability (sequence models)")->check(CLI::Range(0.0, 0.99)),
+      app->add_option("--size", f->size, "bert: small|base|large")->check(CLI::IsMember({"small", "base", "large"})),
+      app->add_option("--label-smoothing", f->label_smoothing, "label smoothing of the cross-entropy loss")
+          ->check(CLI::Range(0.0, 0.99)),
+      app->add_flag("--cross-replica-bn", f->cross_replica_bn,
+                    "batch-norm statistics over the replica group's batches, not each replica's"),
+      app->add_option("--classes", f->classes,
+                      "classification: number of classes (0: 1000 on synthetic-imagenet, else 10)")
+          ->check(kNonNegativeInt),
+      app->add_option("--image-size", f->image_size, "image models: input height and width (0: the model's default)")
+          ->check(kNonNegativeInt),
+      app->add_option("--vocab", f->vocab,
+                      "masked LM: word vocabulary size incl. special tokens (0: the data's default); character "
+                      "models take the vocabulary of the text")
+          ->check(kNonNegativeInt),
       app->add_option("--hidden", f->hidden, "MLP hidden widths, e.g. 1024,1024")->delimiter(',')->capture_default_str(),
       app->add_option("--batch", f->batch, "global batch size")->check(kPositiveInt)->capture_default_str(),
       app->add_option("--replicas", f->replicas, "data-parallel replicas")->check(CLI::Range(1, 4096))->capture_default_str(),
@@ -123,16 +152,51 @@ ir::OptimizerConfig OptimizerFromFlags(const ProgramFlags& f, int64_t steps) {
   return c;
 }
 
+}  // namespace
+
 models::ModelOptions ModelOptionsFromFlags(const ProgramFlags& f, int64_t batch) {
   models::ModelOptions o;
   o.batch = batch;
   o.hidden = f.hidden;
   for (int64_t h : o.hidden)
     if (h <= 0) throw Error(Str("--hidden: widths must be positive, got ", h));
+  o.classes = f.classes > 0 ? f.classes : models::FindModel(f.model).dataset == "synthetic-imagenet" ? 1000 : 10;
+  o.context = f.context;
+  o.layers = f.layers;
+  o.width = f.width;
+  o.heads = f.heads;
+  o.mlp_width = f.mlp_width;
+  o.image_size = f.image_size;
+  o.vocab = f.vocab;
+  o.dropout = f.dropout;
+  o.label_smoothing = f.label_smoothing;
+  o.size = f.size;
+  o.cross_replica_bn = f.cross_replica_bn;
   return o;
 }
 
-}  // namespace
+std::map<std::string, std::string> ModelOptionFlags(const ProgramFlags& f) {
+  std::map<std::string, std::string> m;
+  auto num = [&](const char* flag, double v) {
+    if (v == 0) return;
+    char buf[40];
+    std::snprintf(buf, sizeof(buf), "%.17g", v);
+    m[flag] = buf;
+  };
+  num("--context", f.context);
+  num("--layers", f.layers);
+  num("--width", f.width);
+  num("--heads", f.heads);
+  num("--mlp-width", f.mlp_width);
+  num("--image-size", f.image_size);
+  num("--vocab", f.vocab);
+  num("--classes", f.classes);
+  num("--dropout", f.dropout);
+  num("--label-smoothing", f.label_smoothing);
+  if (!f.size.empty()) m["--size"] = f.size;
+  if (f.cross_replica_bn) m["--cross-replica-bn"] = "true";
+  return m;
+}
 
 ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int replicas) {
   ir::PipelineOptions o;
@@ -156,6 +220,16 @@ ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int 
   return o;
 }
 
+void ResolveTextVocab(ProgramFlags* f) {
+  const models::Task task = models::FindModel(f->model).task;
+  if (task == models::Task::kClassification || f->vocab > 0) return;
+  runtime::TextDataOptions o;
+  o.context = f->context > 0 ? f->context : 128;
+  o.batch = o.eval_batch = 1;
+  o.max_eval_batches = 1;
+  f->vocab = (task == models::Task::kMaskedLm ? runtime::MakeMaskedLmData(o) : runtime::MakeCharLmData(o)).vocab;
+}
+
 dsl::Program BuildProgram(const ProgramFlags& f, int64_t steps) {
   const models::ModelSpec& spec = models::FindModel(f.model);
   dsl::Model m(spec.name, f.seed);
@@ -174,7 +248,8 @@ ir::Module BuildModule(const ProgramFlags& f) {
   const models::ModelSpec& spec = models::FindModel(f.model);
   dsl::Model m(spec.name, f.seed);
   m.train(spec.define(m, ModelOptionsFromFlags(f, f.batch)));
-  return m.lower(f.replicas);
+  // Training mode: the pipeline builds the training step from it (dropout, model-state assignments).
+  return m.lower(f.replicas, dsl::Mode::kTrain, PipelineFromFlags(f, 1).group_size);
 }
 
 int EditDistance(const std::string& a, const std::string& b) {

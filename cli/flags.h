@@ -8,7 +8,10 @@
 #include <string>
 #include <vector>
 
+#include <map>
+
 #include "dsl/dsl.h"
+#include "models/models.h"
 #include "ir/module.h"
 #include "ir/passes/pipeline.h"
 
@@ -47,10 +50,24 @@ struct ProgramFlags {
   std::string gather_weights = "end";
   int64_t combine_bytes = 4 << 20, combine_count = 64;
   std::string on_nonfinite = "stop";   // stop|skip|ignore (stop and skip add the nonfinite-guard pass)
+  // Model options (models::ModelOptions; 0 / "" = the model's default).
+  int64_t context = 0, layers = 0, width = 0, heads = 0, mlp_width = 0, image_size = 0;
+  int64_t classes = 0;  // 0: 1000 for models whose default data is synthetic-imagenet, else 10
+  int64_t vocab = 0;  // --vocab (masked LM word vocabulary); train sets it from the data for text models
+  double dropout = 0, label_smoothing = 0;
+  std::string size;
+  bool cross_replica_bn = false;
 };
 
-// The flags that choose the model (--model, --hidden, --batch, --replicas, --seed), returned so a
-// command can exclude them (compile --ir reads the model from its file).
+// The model options the flags set (for `batch` examples per global batch).
+models::ModelOptions ModelOptionsFromFlags(const ProgramFlags& f, int64_t batch);
+// "--context 256 --layers 4" for the model options that are not at their defaults, as flag -> value
+// (identifying a run for --resume).
+std::map<std::string, std::string> ModelOptionFlags(const ProgramFlags& f);
+
+// The flags that choose the model (--model, --hidden, --batch, --replicas, --seed and the model options
+// --context --layers --width --heads --mlp-width --dropout --size --label-smoothing --cross-replica-bn
+// --image-size --vocab), returned so a command can exclude them (compile --ir reads the model from its file).
 std::vector<CLI::Option*> AddModelFlags(CLI::App* app, ProgramFlags* f);
 // The optimizer, schedule and pass flags.
 void AddPipelineFlags(CLI::App* app, ProgramFlags* f);
@@ -58,6 +75,10 @@ void AddPipelineFlags(CLI::App* app, ProgramFlags* f);
 // Pipeline options from the flags; `steps` is the decay horizon when --decay-steps is not given.
 // `replicas` overrides --replicas (compile --ir takes it from the module).
 ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int replicas = 0);
+
+// Text models without --vocab: sets f->vocab to the vocabulary of the default corpus (the King James
+// Bible), so `compile` builds them as `train` would. No-op for image models or when --vocab is given.
+void ResolveTextVocab(ProgramFlags* f);
 
 // The model's training program (the whole pipeline run), and its forward module for evaluation at `batch`.
 dsl::Program BuildProgram(const ProgramFlags& f, int64_t steps);

@@ -24,6 +24,8 @@
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
 #include "runtime/sharding.h"
+#include "runtime/image_data.h"
+#include "runtime/text_data.h"
 #include "runtime/trainer.h"
 
 namespace shardstep::cli {
@@ -31,21 +33,29 @@ namespace {
 
 struct TrainFlags {
   ProgramFlags program;
-  std::string dataset = "fashion-mnist";
+  std::string dataset;  // "" = the model's default (ModelSpec::dataset)
   std::string data_dir = runtime::kFashionMnistDir;
+  std::string data_file;  // text corpus ("" = the King James Bible)
   int64_t steps = 2000;
   bool no_shuffle = false;
-  std::string save, load, save_init, metrics_out, plot_out;
-  int64_t log_every = 100, eval_every = 0, eval_batch = 1000;
+  std::string save, load, save_init, metrics_out, plot_out, save_batches;
+  int64_t log_every = 100, eval_every = 0, eval_batch = 1000, eval_batches = 0;
+  const CLI::Option* eval_batch_option = nullptr;  // given (on the command line or in --config)?
   std::string backend = "cpu";
-  bool no_memory_check = false;
+  bool no_memory_check = false, no_prefetch = false, dry_run = false;
   // Periodic checkpoints and resuming (runtime/checkpoint_dir.h).
   int64_t save_every = 0, keep = 3;
   std::string checkpoint_dir, resume;
 };
 
+// runtime/trainer.h declares models::Task opaquely with these values.
+static_assert(models::Task::kClassification == runtime::kClassificationTask &&
+              models::Task::kLanguageModel == runtime::kLanguageModelTask &&
+              models::Task::kMaskedLm == runtime::kMaskedLmTask);
+
 // Examples in each split, known before loading (the memory check runs first).
-constexpr int64_t kFashionTrain = 60000, kFashionTest = 10000, kSyntheticAll = 10000, kSyntheticTrain = 8000;
+constexpr int64_t kFashionTrain = runtime::kFashionTrainSize, kFashionTest = runtime::kFashionTestSize,
+                  kSyntheticAll = runtime::kSyntheticSize, kSyntheticTrain = runtime::kSyntheticTrainSize;
 
 // "use a divisor of 10000 such as 250 or 400" for an evaluation batch that does not divide the split.
 std::string NearDivisors(int64_t n, int64_t b) {
@@ -59,7 +69,7 @@ std::string NearDivisors(int64_t n, int64_t b) {
 // Not among them: --steps (a resume may go further; the decay horizon of a decaying schedule is, as
 // --decay-steps), --replicas and the pass flags (the checkpoint is logical; results are bitwise equal
 // on the same replica count), the backend, and the output flags.
-std::map<std::string, std::string> RunIdentity(const TrainFlags& t) {
+std::map<std::string, std::string> RunIdentity(const TrainFlags& t, const std::string& dataset) {
   const ProgramFlags& p = t.program;
   const ir::OptimizerConfig c = PipelineFromFlags(p, t.steps).optimizer;
   auto exact = [](double v) {
@@ -70,10 +80,12 @@ std::map<std::string, std::string> RunIdentity(const TrainFlags& t) {
   std::string hidden;
   for (size_t i = 0; i < p.hidden.size(); ++i) hidden += Str(i ? "," : "", p.hidden[i]);
   std::map<std::string, std::string> id = {
-      {"--dataset", t.dataset}, {"--model", p.model}, {"--hidden", hidden}, {"--batch", Str(p.batch)},
+      {"--dataset", dataset}, {"--model", p.model}, {"--hidden", hidden}, {"--batch", Str(p.batch)},
       {"--seed", Str(p.seed)}, {"--no-shuffle", t.no_shuffle ? "true" : "false"}, {"--optimizer", p.optimizer},
       {"--lr", exact(c.lr_)}, {"--eps", exact(c.eps_)}, {"--weight-decay", exact(c.weight_decay_)},
       {"--clip-norm", exact(c.clip_norm_)}, {"--schedule", p.schedule}};
+  for (const auto& [flag, value] : ModelOptionFlags(p)) id[flag] = value;
+  if (!t.data_file.empty()) id["--data-file"] = t.data_file;
   if (c.kind_ == ir::OptimizerKind::kMomentum || c.kind_ == ir::OptimizerKind::kLars) {
     id["--momentum"] = exact(c.momentum_);
     id["--nesterov"] = c.nesterov_ ? "true" : "false";
@@ -119,19 +131,107 @@ void CheckSameRun(const runtime::ResumePoint& rp, const std::map<std::string, st
   throw Error(msg);
 }
 
-int RunTrain(const TrainFlags& t) {
+bool IsImageDataset(const std::string& d) { return d == "fashion-mnist" || d == "synthetic" || d == "synthetic-imagenet"; }
+
+// The sequence length of a text model at these flags: --context, else what its "tokens" input takes at
+// the model's default (read from a forward module built with a stand-in vocabulary).
+int64_t ContextOf(const ProgramFlags& f) {
+  if (f.context > 0) return f.context;
+  ProgramFlags probe = f;
+  if (probe.vocab == 0) probe.vocab = 256;
+  ir::Module m = BuildForward(probe, 1);
+  for (ir::ValueId v : m.Inputs())
+    if (m.instrs[v].name == "tokens" && m.type(v).shape.size() == 2) return m.type(v).shape[1];
+  throw Error(Str("--model ", f.model, " has no \"tokens\" input [B, T]"));
+}
+
+// A checkpoint whose embedding tables disagree with the data's vocabulary: a clear error, not a list of
+// shape mismatches.
+void CheckVocabulary(const runtime::TensorMap& loaded, const std::map<std::string, ir::TensorType>& expected,
+                     int64_t vocab, const std::string& path, const std::string& data) {
+  for (const auto& [name, type] : expected) {
+    auto it = loaded.find(name);
+    if (it == loaded.end() || type.shape.empty() || type.shape[0] != vocab) continue;
+    const ir::Shape& got = it->second.shape();
+    if (got.size() != type.shape.size() || got[0] == vocab) continue;
+    if (!std::equal(got.begin() + 1, got.end(), type.shape.begin() + 1)) continue;
+    throw Error(Str(path, ": ", name, " is ", ir::ShapeToString(got), ", a vocabulary of ", got[0], ", but ", data,
+                    " gives a vocabulary of ", vocab, " (", ir::ShapeToString(type.shape),
+                    "): use the data the checkpoint was trained on (--data-file), or --vocab ", got[0],
+                    " for a word vocabulary"));
+  }
+}
+
+int RunTrain(const TrainFlags& t_in) {
+  TrainFlags t = t_in;
   const models::ModelSpec& spec = models::FindModel(t.program.model);
+  const models::Task task = spec.task;
+  const std::string dataset = t.dataset.empty() ? spec.dataset : t.dataset;
+  const bool text = !IsImageDataset(dataset);
+  if (task == models::Task::kClassification && text)
+    throw Error(Str("--dataset ", dataset, " is a text corpus; --model ", spec.name,
+                    " classifies images (fashion-mnist, synthetic, synthetic-imagenet)"));
+  if (task != models::Task::kClassification && !text)
+    throw Error(Str("--dataset ", dataset, " holds images; --model ", spec.name, " is a ", models::TaskName(task),
+                    " model (--dataset kjv, optionally with --data-file FILE)"));
+  if (t.program.classes == 0 && dataset == "synthetic-imagenet") t.program.classes = 1000;
+  if (!t.data_file.empty() && !text) throw Error(Str("--data-file is for text models; --dataset ", dataset, " holds images"));
+  if (t.eval_batch_option == nullptr || t.eval_batch_option->count() == 0)  // the task's default
+    t.eval_batch = text ? 64 : dataset == "synthetic-imagenet" ? std::min<int64_t>(t.program.batch, 1000) : t.eval_batch;
   // 1. Outputs and inputs that can be checked without building anything.
-  CheckOutputPaths({{"--save", t.save}, {"--save-init", t.save_init}, {"--metrics-out", t.metrics_out}, {"--plot-out", t.plot_out}});
+  CheckOutputPaths({{"--save", t.save}, {"--save-init", t.save_init}, {"--metrics-out", t.metrics_out},
+                    {"--plot-out", t.plot_out}, {"--save-batches", t.save_batches}});
   if (!t.load.empty() && ::access(t.load.c_str(), R_OK) != 0)
     throw Error(Str("cannot read --load ", t.load, ": ", std::strerror(errno)));
+  if (!t.data_file.empty() && ::access(t.data_file.c_str(), R_OK) != 0)
+    throw Error(Str("cannot read --data-file ", t.data_file, ": ", std::strerror(errno)));
   // Periodic checkpoints and resuming: the directory to resume from, and the one to save into
   // (--checkpoint-dir, by default the --resume directory).
   if (!t.resume.empty() && !t.load.empty()) throw Error("--resume and --load exclude each other (--resume restores the state too)");
   const std::string checkpoint_dir = !t.checkpoint_dir.empty() ? t.checkpoint_dir : t.save_every > 0 ? t.resume : "";
   if (t.save_every > 0 && checkpoint_dir.empty()) throw Error("--save-every needs --checkpoint-dir DIR (or --resume DIR)");
   if (t.save_every == 0 && !t.checkpoint_dir.empty()) throw Error("--checkpoint-dir needs --save-every K");
-  const std::map<std::string, std::string> identity = RunIdentity(t);
+  if (dataset == "fashion-mnist") CheckFashionMnistDir(t.data_dir);
+  if (dataset == "fashion-mnist" || dataset == "synthetic") {
+    const int64_t train_size = dataset == "fashion-mnist" ? kFashionTrain : kSyntheticTrain;
+    const int64_t test_size = dataset == "fashion-mnist" ? kFashionTest : kSyntheticAll - kSyntheticTrain;
+    if (t.eval_batch > test_size)
+      throw Error(Str("--eval-batch ", t.eval_batch, " is larger than the ", dataset, " test split (", test_size, " examples)"));
+    if (test_size % t.eval_batch != 0)
+      throw Error(Str("--eval-batch ", t.eval_batch, " does not divide the ", dataset, " test split (", test_size,
+                      " examples): the last ", test_size % t.eval_batch, " would not be evaluated",
+                      "; use ", NearDivisors(test_size, t.eval_batch)));
+    if (t.program.batch > train_size)
+      throw Error(Str("--batch ", t.program.batch, " is larger than the ", dataset, " train split (", train_size, " examples)"));
+  }
+
+  // 2. Text data first: the model's vocabulary is the data's.
+  std::unique_ptr<runtime::BatchSource> train_source;
+  std::unique_ptr<runtime::EvalSet> eval_set;
+  std::string data_name = dataset == "kjv" && t.data_file.empty() ? "the King James Bible (--dataset kjv)"
+                                                                  : Str("--data-file ", t.data_file);
+  if (text) {
+    if (dataset != "kjv") throw Error(Str("--dataset ", dataset, ": unknown"));
+    runtime::TextDataOptions to;
+    to.file = t.data_file;
+    to.context = ContextOf(t.program);
+    to.batch = t.program.batch;
+    to.eval_batch = t.eval_batch;
+    to.seed = t.program.seed;
+    to.shuffle = !t.no_shuffle;
+    to.vocab_size = task == models::Task::kMaskedLm ? t.program.vocab : 0;
+    to.max_eval_batches = t.eval_batches;
+    runtime::TextData td = task == models::Task::kMaskedLm ? runtime::MakeMaskedLmData(to) : runtime::MakeCharLmData(to);
+    if (task == models::Task::kLanguageModel && t.program.vocab > 0 && t.program.vocab != td.vocab)
+      throw Error(Str("--vocab ", t.program.vocab, " disagrees with ", data_name, ", whose characters make a vocabulary of ",
+                      td.vocab, " (character models take the text's vocabulary: leave --vocab out)"));
+    t.program.vocab = td.vocab;
+    if (t.program.context == 0) t.program.context = to.context;
+    train_source = std::move(td.train);
+    eval_set = std::move(td.eval);
+  }
+
+  const std::map<std::string, std::string> identity = RunIdentity(t, dataset);
   std::optional<runtime::ResumePoint> resume;
   if (!t.resume.empty()) {
     resume = runtime::FindResumePoint(t.resume);
@@ -141,45 +241,53 @@ int RunTrain(const TrainFlags& t) {
     if (resume->step > t.steps)
       throw Error(Str("--resume: ", resume->path, " is at step ", resume->step, ", past --steps ", t.steps));
   }
-  if (t.save_every > 0) {
+  if (t.save_every > 0 && !t.dry_run) {
     std::error_code ec;
     const bool same = resume && std::filesystem::equivalent(checkpoint_dir, t.resume, ec);
     runtime::PrepareCheckpointDirectory(checkpoint_dir, same ? std::optional<int64_t>(resume->step) : std::nullopt,
                                         std::cout);
   }
-  if (t.dataset == "fashion-mnist") CheckFashionMnistDir(t.data_dir);
-  const int64_t train_size = t.dataset == "fashion-mnist" ? kFashionTrain : kSyntheticTrain;
-  const int64_t test_size = t.dataset == "fashion-mnist" ? kFashionTest : kSyntheticAll - kSyntheticTrain;
-  if (t.eval_batch > test_size)
-    throw Error(Str("--eval-batch ", t.eval_batch, " is larger than the ", t.dataset, " test split (", test_size, " examples)"));
-  if (test_size % t.eval_batch != 0)
-    throw Error(Str("--eval-batch ", t.eval_batch, " does not divide the ", t.dataset, " test split (", test_size,
-                    " examples): the last ", test_size % t.eval_batch, " would not be evaluated",
-                    "; use ", NearDivisors(test_size, t.eval_batch)));
-  if (t.program.batch > train_size)
-    throw Error(Str("--batch ", t.program.batch, " is larger than the ", t.dataset, " train split (", train_size, " examples)"));
 
-  // 2. The step (cheap: the DSL lowers one replica's module; no state is allocated) and its memory.
+  // 3. The step (cheap: the DSL lowers one replica's module; no state is allocated) and its memory.
   dsl::Program program = BuildProgram(t.program, t.steps);
   ir::Module forward = BuildForward(t.program, t.eval_batch);
+  ir::Shape example_shape = spec.example_shape;
+  if (!text)
+    for (ir::ValueId v : forward.Inputs())
+      if (forward.instrs[v].name == "image") example_shape.assign(forward.type(v).shape.begin() + 1, forward.type(v).shape.end());
   if (!t.no_memory_check) {
-    const int64_t example_bytes = ir::NumElements(spec.example_shape) * 4 + 4;
-    const int64_t data = t.dataset == "fashion-mnist"
+    const int64_t example_bytes = ir::NumElements(example_shape) * 4 + 4;
+    const int64_t data = dataset == "fashion-mnist"
                              ? (kFashionTrain + kFashionTest) * example_bytes + kFashionTrain * (example_bytes / 4)  // + raw bytes while loading
-                             : 2 * kSyntheticAll * example_bytes;
+                         : dataset == "synthetic" ? 2 * kSyntheticAll * example_bytes
+                                                  : 0;  // generated per batch, or text (small next to the model)
     int64_t logical = 0;
     for (auto& [name, type] : runtime::LogicalTypes(program.step)) logical += type.bytes();
     const ir::MemoryPlan eval = ir::PlanMemory(forward);
-    const int64_t eval_bytes = eval.peak_temp_bytes + t.eval_batch * example_bytes;
+    int64_t eval_inputs = 0;
+    for (ir::ValueId v : forward.Inputs()) eval_inputs += forward.type(v).bytes();
+    const int64_t eval_bytes = eval.peak_temp_bytes + eval_inputs;
     MemoryNeed need = StepMemoryNeed(program.step, /*keeps_all_values=*/t.backend == "interp");
     need.others = {{"dataset", data}, {"logical state", logical}, {"evaluation", eval_bytes}};
+    if (!t.no_prefetch) need.others.push_back({"prefetched batch", need.batch_bytes / std::max(1, program.step.num_replicas)});
     CheckMemory(need, AvailableMemoryBytes(), "use fewer --replicas, a smaller --batch or model (--no-memory-check to try anyway)");
   }
+  int64_t params = 0;
+  for (ir::ValueId v : program.step.VariablesWithRole(ir::kRoleWeight)) params += program.step.type(v).elements();
+  if (t.dry_run) {
+    std::cout << "dry run: model " << spec.name << " (" << params << " parameters, " << models::TaskName(task)
+              << "), --dataset " << dataset << (text ? Str(" (vocabulary ", t.program.vocab, ", context ", t.program.context, ")") : "")
+              << ", batch " << t.program.batch << ", eval batch " << t.eval_batch << ", " << t.steps << " steps, "
+              << program.options.optimizer.ToString() << "; nothing trained\n";
+    return 0;
+  }
 
-  // 3. State, data, backend, training.
+  // 4. State, data, backend, training.
   runtime::TensorMap state = runtime::InitLogicalState(program.step);
+  const std::map<std::string, ir::TensorType> logical_types = runtime::LogicalTypes(program.step);
   if (resume) {
-    runtime::CheckCheckpointMatches(resume->tensors, runtime::LogicalTypes(program.step), resume->path);
+    if (text) CheckVocabulary(resume->tensors, logical_types, t.program.vocab, resume->path, data_name);
+    runtime::CheckCheckpointMatches(resume->tensors, logical_types, resume->path);
     state = std::move(resume->tensors);
     std::cout << "resuming from " << resume->path << " at step " << resume->step << " of " << t.steps
               << (resume->checksummed ? "" : " (the file has no checksum: its integrity was not verified)") << "\n";
@@ -187,7 +295,8 @@ int RunTrain(const TrainFlags& t) {
   if (!t.load.empty()) {
     bool checksummed = false;
     runtime::TensorMap loaded = runtime::LoadCheckpoint(t.load, nullptr, &checksummed);
-    runtime::CheckCheckpointMatches(loaded, runtime::LogicalTypes(program.step), t.load);
+    if (text) CheckVocabulary(loaded, logical_types, t.program.vocab, t.load, data_name);
+    runtime::CheckCheckpointMatches(loaded, logical_types, t.load);
     state = loaded;
     std::cout << "loaded checkpoint " << t.load
               << (checksummed ? "" : " (no checksum, as written by older shardstep or other tools: only its structure was checked)")
@@ -198,24 +307,29 @@ int RunTrain(const TrainFlags& t) {
     std::cout << "saved initial state " << t.save_init << "\n";
   }
 
-  runtime::Dataset train, test;
-  if (t.dataset == "fashion-mnist") {
-    train = runtime::LoadFashionMnist(t.data_dir, true);
-    test = runtime::LoadFashionMnist(t.data_dir, false);
-  } else {
-    // One distribution, split into train and test.
-    runtime::Dataset all = runtime::SyntheticClassification(kSyntheticAll, 1, 28, 28, 10, t.program.seed);
-    train = runtime::TakeExamples(all, 0, kSyntheticTrain);
-    test = runtime::TakeExamples(all, kSyntheticTrain, kSyntheticAll);
+  if (!text) {
+    runtime::ImageDataOptions io;
+    io.dataset = dataset;
+    io.data_dir = t.data_dir;
+    io.batch = t.program.batch;
+    io.eval_batch = t.eval_batch;
+    io.seed = t.program.seed;
+    io.shuffle = !t.no_shuffle;
+    io.example_shape = example_shape;
+    io.classes = models::FindModel(t.program.model).task == models::Task::kClassification && t.program.classes > 0
+                     ? t.program.classes
+                     : dataset == "synthetic-imagenet" ? 1000 : 10;
+    io.image_size = t.program.image_size > 0 ? t.program.image_size : 224;
+    io.max_eval_batches = t.eval_batches;
+    runtime::ImageData id = runtime::MakeImageData(io);
+    train_source = std::move(id.train);
+    eval_set = std::move(id.eval);
   }
-  if (test.size() % t.eval_batch != 0)  // a split of another size than expected
-    throw Error(Str("--eval-batch ", t.eval_batch, " does not divide the test split (", test.size(), " examples)"));
 
-  int64_t params = 0;
-  for (ir::ValueId v : program.step.VariablesWithRole(ir::kRoleWeight)) params += program.step.type(v).elements();
-  std::cout << "model " << spec.name << " (" << params << " parameters), " << t.dataset << " (" << train.size()
-            << " train / " << test.size() << " test), batch " << t.program.batch << ", " << t.program.replicas
-            << " replica(s), " << program.options.optimizer.ToString() << ", backend " << t.backend << "\n"
+  std::cout << "model " << spec.name << " (" << params << " parameters), " << dataset << " ("
+            << train_source->Describe() << " / " << eval_set->Describe() << "), batch " << t.program.batch << ", "
+            << t.program.replicas << " replica(s), " << program.options.optimizer.ToString() << ", backend " << t.backend
+            << "\n"
             << ir::PlanMemory(program.step).ToString();
 
   std::unique_ptr<runtime::Executor> exec;
@@ -235,12 +349,14 @@ int RunTrain(const TrainFlags& t) {
   runtime::TrainOptions o;
   o.steps = t.steps;
   o.batch = t.program.batch;
-  o.example_shape = spec.example_shape;
+  o.example_shape = example_shape;
   o.shuffle = !t.no_shuffle;
   o.seed = t.program.seed;
   o.log_every = t.log_every;
   o.eval_every = t.eval_every;
   o.eval_batch = t.eval_batch;
+  o.prefetch = !t.no_prefetch;
+  o.save_batches = t.save_batches;
   o.metrics_out = t.metrics_out;
   o.plot_out = t.plot_out;
   o.plot_title = Str("shardstep ", t.program.model, ", ", program.options.optimizer.ToString(), ", ",
@@ -271,10 +387,11 @@ int RunTrain(const TrainFlags& t) {
               {"optimizer_state_bytes", mem.optimizer_state_bytes},
               {"gradients_bytes", mem.gradient_bytes},
               {"peak_temporaries_bytes", mem.peak_temp_bytes}};
-  runtime::TrainResult r = runtime::Train(*exec, forward, train, &test, o, std::cout);
+  runtime::TrainResult r = runtime::Train(*exec, forward, *train_source, eval_set.get(), task, o, std::cout);
   if (r.skipped_steps) std::cout << "skipped " << r.skipped_steps << " step(s) with non-finite values\n";
-  std::cout << "final: loss " << (r.losses.empty() ? std::string("(no step run)") : Str(r.losses.back())) << ", test accuracy " << r.test_accuracy << ", "
-            << static_cast<int64_t>(r.examples_per_second) << " examples/s\n";
+  std::cout << "final: loss " << (r.losses.empty() ? std::string("(no step run)") : Str(r.losses.back())) << ", test "
+            << (task == models::Task::kClassification ? "accuracy" : runtime::MetricKey(task)) << " " << r.test_metric
+            << ", " << static_cast<int64_t>(r.examples_per_second) << " examples/s\n";
   return 0;
 }
 
@@ -285,9 +402,21 @@ Command AddTrainCommand(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("train", "train a model");
   AddModelFlags(cmd, &t->program);
   AddPipelineFlags(cmd, &t->program);
-  cmd->add_option("--dataset", t->dataset, "fashion-mnist|synthetic")
-      ->check(CLI::IsMember({"fashion-mnist", "synthetic"}))->capture_default_str();
+  cmd->add_option("--dataset", t->dataset,
+                  "fashion-mnist|synthetic|synthetic-imagenet (images) or kjv (text: the King James Bible, or "
+                  "--data-file); default: the model's")
+      ->check(CLI::IsMember({"fashion-mnist", "synthetic", "synthetic-imagenet", "kjv"}));
   cmd->add_option("--data-dir", t->data_dir, "directory of the Fashion-MNIST IDX files")->capture_default_str();
+  cmd->add_option("--data-file", t->data_file, "text models: a plain text corpus instead of the King James Bible");
+  cmd->add_option("--save-batches", t->save_batches,
+                  "write every step's global inputs to this safetensors file (tensors step<k>/<input>, k from 0)");
+  cmd->add_flag("--no-prefetch", t->no_prefetch, "prepare each batch when the step needs it, not during the step before");
+  cmd->add_flag("--dry-run", t->dry_run,
+                "check the flags (and --config), the data and the memory, build the step, print what would run, "
+                "and stop before training");
+  cmd->add_option("--eval-batches", t->eval_batches,
+                  "evaluate on at most this many batches (text and synthetic-imagenet; 0: the whole held-out split)")
+      ->check(kNonNegativeInt);
   cmd->add_option("--steps", t->steps, "training steps")->check(kPositiveInt)->capture_default_str();
   cmd->add_flag("--no-shuffle", t->no_shuffle, "feed batches in file order");
   cmd->add_option("--save", t->save, "write the final state to this safetensors file");
@@ -308,8 +437,11 @@ Command AddTrainCommand(CLI::App& app) {
   cmd->add_option("--eval-every", t->eval_every, "evaluate every N steps (0: at the end)")->check(kNonNegativeInt);
   cmd->add_option("--backend", t->backend, "interp (reference interpreter) | cpu (LLVM JIT)")
       ->check(CLI::IsMember({"interp", "cpu"}))->capture_default_str();
-  cmd->add_option("--eval-batch", t->eval_batch, "evaluation batch; must divide the test split (10000, synthetic 2000)")
-      ->check(kPositiveInt)->capture_default_str();
+  t->eval_batch_option =
+      cmd->add_option("--eval-batch", t->eval_batch,
+                      "evaluation batch; must divide the test split (10000, synthetic 2000); default 1000 for images, "
+                      "64 for text, --batch for synthetic-imagenet")
+          ->check(kPositiveInt)->capture_default_str();
   cmd->add_flag("--no-memory-check", t->no_memory_check,
                 "start even when the memory plan exceeds the machine's available memory");
   return {cmd, [t] { return RunTrain(*t); }};

@@ -1,10 +1,12 @@
 // The fluent front end: records each step, checks it eagerly, lowers it to IR at build().
 #include "dsl/dsl.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
 #include "ir/error.h"
+#include "ir/passes/data_parallel_lowering.h"
 #include "ir/passes/pipeline.h"
 
 namespace shardstep::dsl {
@@ -16,6 +18,7 @@ using ir::IntList;
 using ir::OpCode;
 using ir::Shape;
 using ir::ValueId;
+using ir::kNoValue;
 
 namespace {
 
@@ -49,14 +52,106 @@ ValueId DenseMatmul(Builder& b, ValueId x, ValueId w) {
   return b.Reshape(y, ys);
 }
 
+int64_t NormAxis(int64_t axis, size_t rank, const char* what) {
+  int64_t r = static_cast<int64_t>(rank);
+  int64_t a = axis < 0 ? axis + r : axis;
+  if (a < 0 || a >= r) throw Error(Str(what, " axis ", axis, " is out of range for rank ", r));
+  return a;
+}
+
+IntList NormAxes(const IntList& axes, size_t rank, const char* what) {
+  IntList out;
+  for (int64_t a : axes) out.push_back(NormAxis(a, rank, what));
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end()) throw Error(Str(what, " axes repeat an axis"));
+  return out;
+}
+
+// Broadcasts `v` to `out` numpy-style (trailing alignment; size-1 dimensions stretch).
+ValueId BroadcastValue(Builder& b, ValueId v, const Shape& out) {
+  const Shape s = b.shape(v);
+  if (s == out) return v;
+  const size_t off = out.size() - s.size();
+  Shape kept;
+  IntList dims;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == out[off + i]) {
+      kept.push_back(s[i]);
+      dims.push_back(static_cast<int64_t>(off + i));
+    } else if (s[i] != 1) {
+      throw Error(Str("cannot broadcast ", b.type(v).ToString(), " to ", ir::ShapeToString(out)));
+    }
+  }
+  if (kept.size() != s.size()) v = b.Reshape(v, kept);
+  return b.Broadcast(v, out, dims);
+}
+
+// The mean of `x` over the replicas of the data-parallel group (identity with one replica).
+ValueId GroupMean(const Lowering& L, ValueId x) {
+  if (L.group_replicas() <= 1) return x;
+  return L.b->AllReduce(x, "mean", L.groups());
+}
+
+// Per-position cross-entropy and the per-position weights it implies (ignore_index).
+struct CeParts {
+  ValueId loss;    // [...]
+  ValueId weight;  // [...] f32, or kNoValue
+};
+
+CeParts CrossEntropyParts(Builder& b, ValueId z, ValueId y, const CrossEntropyOptions& o) {
+  const ir::TensorType zt = b.type(z), yt = b.type(y);  // copies: the builder appends below
+  Shape pos(zt.shape.begin(), zt.shape.end() - (zt.rank() > 0 ? 1 : 0));
+  if (zt.rank() < 1 || zt.dtype != DType::kF32 || yt.dtype != DType::kS32 || yt.shape != pos)
+    throw Error(Str("expects f32 logits [..., C] and s32 labels [...] with the same leading shape, got ",
+                    zt.ToString(), " and ", yt.ToString()));
+  if (o.label_smoothing < 0 || o.label_smoothing > 1)
+    throw Error(Str("label_smoothing ", o.label_smoothing, " is not in [0, 1]"));
+  const Shape& s = zt.shape;
+  const int64_t c = s.back(), last = static_cast<int64_t>(s.size()) - 1;
+  const IntList keep = ir::AllAxes(last);
+  // log p = z - max - log sum exp(z - max).
+  ValueId mx = b.ReduceMax(z, {last});
+  ValueId shifted = b.Sub(z, b.Broadcast(mx, s, keep));
+  ValueId lse = b.Unary(OpCode::kLog, b.ReduceSum(b.Unary(OpCode::kExp, shifted), {last}));
+  ValueId weight = kNoValue;
+  if (o.ignore_index) {
+    ValueId ignored = b.Binary(OpCode::kEq, y, b.Constant(static_cast<double>(*o.ignore_index), yt));
+    y = b.Select(ignored, b.Constant(0, yt), y);  // any valid class: its loss is multiplied by 0
+    weight = b.Sub(b.Constant(1.0, {DType::kF32, pos}), b.Convert(ignored, DType::kF32));
+  }
+  ValueId onehot = b.Emit(OpCode::kOneHot, {y}, {{"depth", c}});
+  ValueId nll = b.Sub(lse, b.ReduceSum(b.Mul(onehot, shifted), {last}));  // -log p[label]
+  ValueId loss = nll;
+  if (o.label_smoothing > 0) {
+    // torch: (1 - ls) nll + ls * mean_c(-log p_c); -log p_c summed = C lse - sum(shifted).
+    ValueId smooth = b.Sub(lse, b.MulScalar(b.ReduceSum(shifted, {last}), 1.0 / static_cast<double>(c)));
+    loss = b.Add(b.MulScalar(nll, 1 - o.label_smoothing), b.MulScalar(smooth, o.label_smoothing));
+  }
+  if (weight != kNoValue) loss = b.Mul(loss, weight);
+  return {loss, weight};
+}
+
+// sum(x w) / global sum(w), as a per-replica loss whose mean over the group is the global value.
+ValueId WeightedMean(const Lowering& L, ValueId x, ValueId w) {
+  Builder& b = *L.b;
+  // Unweighted: every replica has the same count, so the replicas' means average to the global mean.
+  if (w == kNoValue) return b.ReduceMean(x, ir::AllAxes(b.type(x).rank()));
+  ValueId num = b.SumAll(b.Mul(x, w));
+  ValueId den = b.SumAll(w);
+  // all_reduce mean of the local sums = global sum / replicas, so local = replicas * num / global sum.
+  return b.Div(num, GroupMean(L, den));
+}
+
 }  // namespace
+
+ir::IntLists Lowering::groups() const { return ir::ContiguousGroups(replicas(), group_size); }
 
 // ---- Model ----
 
 Model::Model(std::string name, uint64_t seed) : name_(std::move(name)), seed_(seed) {
   eager_.name = name_;
   eager_builder_ = std::make_unique<Builder>(&eager_);
-  eager_lowering_ = std::make_unique<Lowering>(Lowering{eager_builder_.get(), 1, {}});
+  eager_lowering_ = std::make_unique<Lowering>(Lowering{eager_builder_.get(), 1, {}, Mode::kTrain, 0});
 }
 
 Model::~Model() = default;
@@ -82,6 +177,11 @@ const ir::TensorType& Model::type_of(const Tensor& t) const {
   return v == ir::kNoValue ? kPoisoned : eager_.type(v);
 }
 
+bool Model::batched(const Tensor& t) const {
+  ValueId v = eager_lowering_->nodes.at(t.node());
+  return v != kNoValue && eager_.PerReplicaValues()[v];
+}
+
 uint64_t Model::SeedFor(const std::string& weight_name) const { return Fnv1a(weight_name) ^ (seed_ * 0x9E3779B97F4A7C15ull); }
 
 void Model::CheckError() const {
@@ -102,11 +202,45 @@ Tensor Model::input(const std::string& name, ir::TensorType type, Loc loc) {
 }
 
 Tensor Model::weight(const std::string& name, ir::TensorType type, const std::string& init, Attrs init_attrs, Loc loc) {
+  return weight(name, std::move(type), init, std::move(init_attrs), WeightOptions{}, loc);
+}
+
+Tensor Model::weight(const std::string& name, ir::TensorType type, const std::string& init, Attrs init_attrs,
+                     WeightOptions wo, Loc loc) {
+  if (!wo.weight_decay) init_attrs["weight_decay"] = int64_t{0};
+  if (!wo.layer_adaptation) init_attrs["layer_adaptation"] = int64_t{0};
   init_attrs["init"] = init;
   init_attrs["seed"] = static_cast<int64_t>(SeedFor(name) & 0x7FFFFFFFFFFFFFFFull);
   return Record(Str("weight '", name, "'"), loc, [name, type, init_attrs](Lowering& L) {
     return L.b->Variable(name, type, ir::kRoleWeight, init_attrs);
   });
+}
+
+Tensor Model::state(const std::string& name, ir::TensorType type, const std::string& init, Attrs init_attrs, Loc loc) {
+  init_attrs["init"] = init;
+  return Record(Str("state '", name, "'"), loc, [name, type, init_attrs](Lowering& L) {
+    return L.b->Variable(name, type, ir::kRoleModelState, init_attrs);
+  });
+}
+
+void Model::assign(const Tensor& state, const Tensor& value, Loc loc) {
+  Record("assign", loc, [state, value](Lowering& L) {
+    ir::Module& m = L.b->module();
+    ValueId var = L[state], val = L[value];
+    if (m.at(var).op != OpCode::kVariable || m.at(var).GetString("role", "") != ir::kRoleModelState)
+      throw Error("assign needs a state variable (Model::state)");
+    if (m.type(var) != m.type(val))
+      throw Error(Str("value ", m.type(val).ToString(), " does not match the state ", m.type(var).ToString()));
+    if (L.training()) {
+      if (m.AssignedValue(var) != kNoValue) throw Error(Str("state '", m.at(var).name, "' is assigned twice"));
+      m.assigns.push_back({var, val});
+    }
+    return var;
+  });
+}
+
+Tensor Model::constant(double value, DType dtype, Loc loc) {
+  return Record(Str("constant ", value), loc, [value, dtype](Lowering& L) { return L.b->Scalar(value, dtype); });
 }
 
 void Model::output(const std::string& name, const Tensor& t, Loc loc) {
@@ -123,14 +257,15 @@ TrainBuilder Model::train(const Tensor& loss, Loc loc) {
   return TrainBuilder(this);
 }
 
-ir::Module Model::lower(int replicas) const {
+ir::Module Model::lower(int replicas, Mode mode, int group_size) const {
   CheckError();
   if (replicas < 1) throw Error(Str("replicas must be >= 1, got ", replicas));
+  ir::ContiguousGroups(replicas, group_size);  // checks the group size
   ir::Module m;
   m.name = name_;
   m.num_replicas = replicas;
   Builder b(&m);
-  Lowering L{&b, replicas, {}};
+  Lowering L{&b, replicas, {}, mode, group_size};
   for (const Step& s : steps_) {
     try {
       L.nodes.push_back(s.fn(L));
@@ -147,8 +282,8 @@ ir::Module Model::lower(int replicas) const {
 Program TrainBuilder::build(Loc loc) {
   Program p;
   p.options = o_;
-  p.forward = m_->lower(o_.replicas);
-  p.step = p.forward;
+  p.forward = m_->lower(o_.replicas, Mode::kEval, o_.group_size);
+  p.step = m_->lower(o_.replicas, Mode::kTrain, o_.group_size);
   ir::BuildTrainingPipeline(o_).Run(p.step);
   return p;
 }
@@ -161,7 +296,7 @@ ir::DType Tensor::dtype() const { return m_->type_of(*this).dtype; }
 Tensor Tensor::dense(int64_t units, const std::string& name, bool bias, Loc loc) const {
   int64_t in = shape().empty() ? 0 : shape().back();
   Tensor w = m_->weight(name + ".w", f32({in, units}), "glorot_uniform", {{"fan_in", in}, {"fan_out", units}}, loc);
-  Tensor b = bias ? m_->weight(name + ".b", f32({units}), "zeros", {}, loc) : Tensor();
+  Tensor b = bias ? m_->weight(name + ".b", f32({units}), "zeros", {}, WeightOptions::NoDecay(), loc) : Tensor();
   Tensor x = *this;
   return m_->Record(Str("dense '", name, "'"), loc, [x, w, b, bias](Lowering& L) {
     ValueId y = DenseMatmul(*L.b, L[x], L[w]);
@@ -171,34 +306,49 @@ Tensor Tensor::dense(int64_t units, const std::string& name, bool bias, Loc loc)
 }
 
 Tensor Tensor::conv2d(int64_t filters, int64_t kernel, const std::string& name, int64_t stride, int64_t padding,
-                      Loc loc) const {
+                      bool bias, Loc loc) const {
   int64_t in_ch = shape().size() == 4 ? shape()[1] : 0;
   int64_t fan_in = in_ch * kernel * kernel;
   Tensor w = m_->weight(name + ".w", f32({filters, in_ch, kernel, kernel}), "he_normal", {{"fan_in", fan_in}}, loc);
-  Tensor b = m_->weight(name + ".b", f32({filters}), "zeros", {}, loc);
+  Tensor b = bias ? m_->weight(name + ".b", f32({filters}), "zeros", {}, WeightOptions::NoDecay(), loc) : Tensor();
   Tensor x = *this;
-  return m_->Record(Str("conv2d '", name, "'"), loc, [x, w, b, stride, padding](Lowering& L) {
+  return m_->Record(Str("conv2d '", name, "'"), loc, [x, w, b, stride, padding, bias](Lowering& L) {
     if (L.b->type(L[x]).rank() != 4)
       throw Error(Str("input must be NCHW (rank 4), got ", L.b->type(L[x]).ToString()));
     ValueId y = L.b->Emit(OpCode::kConv2d, {L[x], L[w]},
                           {{"stride", IntList{stride, stride}}, {"padding", IntList{padding, padding}}});
-    return L.b->Add(y, L.b->Broadcast(L[b], L.b->shape(y), {1}));
+    return bias ? L.b->Add(y, L.b->Broadcast(L[b], L.b->shape(y), {1})) : y;
   });
 }
 
-static Tensor Pool(const Tensor& x, Model* m, OpCode op, int64_t window, int64_t stride, Loc loc) {
+Tensor Tensor::max_pool(int64_t window, int64_t stride, int64_t padding, Loc loc) const {
   if (stride == 0) stride = window;
-  return m->Record(Str(ir::OpName(op), " ", window, "x", window), loc, [x, op, window, stride](Lowering& L) {
-    return L.b->Emit(op, {L[x]}, {{"window", IntList{window, window}}, {"stride", IntList{stride, stride}}});
+  Tensor x = *this;
+  return m_->Record(Str("max_pool ", window, "x", window), loc, [x, window, stride, padding](Lowering& L) {
+    return L.b->MaxPool(L[x], {window, window}, {stride, stride}, padding);
   });
 }
-Tensor Tensor::max_pool(int64_t window, int64_t stride, Loc loc) const { return Pool(*this, m_, OpCode::kMaxPool, window, stride, loc); }
-Tensor Tensor::avg_pool(int64_t window, int64_t stride, Loc loc) const { return Pool(*this, m_, OpCode::kAvgPool, window, stride, loc); }
+
+Tensor Tensor::avg_pool(int64_t window, int64_t stride, Loc loc) const {
+  if (stride == 0) stride = window;
+  Tensor x = *this;
+  return m_->Record(Str("avg_pool ", window, "x", window), loc, [x, window, stride](Lowering& L) {
+    return L.b->Emit(OpCode::kAvgPool, {L[x]}, {{"window", IntList{window, window}}, {"stride", IntList{stride, stride}}});
+  });
+}
+
+Tensor Tensor::global_avg_pool(Loc loc) const {
+  Tensor x = *this;
+  return m_->Record("global_avg_pool", loc, [x](Lowering& L) {
+    if (L.b->type(L[x]).rank() != 4) throw Error(Str("input must be NCHW (rank 4), got ", L.b->type(L[x]).ToString()));
+    return L.b->ReduceMean(L[x], {2, 3});
+  });
+}
 
 Tensor Tensor::layer_norm(const std::string& name, double eps, Loc loc) const {
   int64_t d = shape().empty() ? 0 : shape().back();
-  Tensor gamma = m_->weight(name + ".gamma", f32({d}), "ones", {}, loc);
-  Tensor beta = m_->weight(name + ".beta", f32({d}), "zeros", {}, loc);
+  Tensor gamma = m_->weight(name + ".gamma", f32({d}), "ones", {}, WeightOptions::NoDecay(), loc);
+  Tensor beta = m_->weight(name + ".beta", f32({d}), "zeros", {}, WeightOptions::NoDecay(), loc);
   Tensor x = *this;
   return m_->Record(Str("layer_norm '", name, "'"), loc, [x, gamma, beta, eps](Lowering& L) {
     Builder& b = *L.b;
@@ -264,22 +414,43 @@ Tensor Tensor::reshape(const Shape& per_example, Loc loc) const {
   });
 }
 
-Tensor Tensor::cross_entropy(const Tensor& labels, Loc loc) const {
+Tensor Tensor::cross_entropy(const Tensor& labels, Loc loc) const { return cross_entropy(labels, {}, loc); }
+
+Tensor Tensor::cross_entropy(const Tensor& labels, const CrossEntropyOptions& o, Loc loc) const {
   Tensor logits = *this;
-  return m_->Record("cross_entropy", loc, [logits, labels](Lowering& L) {
-    // loss_i = logsumexp(z_i) - z_i[label_i], with the max subtracted for stability.
+  return m_->Record("cross_entropy", loc, [logits, labels, o](Lowering& L) {
+    return CrossEntropyParts(*L.b, L[logits], L[labels], o).loss;
+  });
+}
+
+Tensor Tensor::cross_entropy_mean(const Tensor& labels, const CrossEntropyOptions& o, Loc loc) const {
+  return cross_entropy_mean(labels, o, Tensor(), loc);
+}
+
+Tensor Tensor::cross_entropy_mean(const Tensor& labels, const CrossEntropyOptions& o, const Tensor& weights,
+                                  Loc loc) const {
+  Tensor logits = *this;
+  return m_->Record("cross_entropy_mean", loc, [logits, labels, o, weights](Lowering& L) {
     Builder& b = *L.b;
-    ValueId z = L[logits], y = L[labels];
-    const ir::TensorType &zt = b.type(z), &yt = b.type(y);
-    if (zt.rank() != 2 || yt.rank() != 1 || yt.dtype != DType::kS32 || yt.shape[0] != zt.shape[0])
-      throw Error(Str("expects logits [B,C] and s32 labels [B], got ", zt.ToString(), " and ", yt.ToString()));
-    Shape s = zt.shape;
-    ValueId mx = b.ReduceMax(z, {1});
-    ValueId shifted = b.Sub(z, b.Broadcast(mx, s, {0}));
-    ValueId lse = b.Add(b.Unary(OpCode::kLog, b.ReduceSum(b.Unary(OpCode::kExp, shifted), {1})), mx);
-    ValueId onehot = b.Emit(OpCode::kOneHot, {y}, {{"depth", s[1]}});
-    ValueId picked = b.ReduceSum(b.Mul(onehot, z), {1});
-    return b.Sub(lse, picked);
+    CeParts ce = CrossEntropyParts(b, L[logits], L[labels], o);
+    ValueId w = ce.weight;
+    if (weights.defined()) {
+      ValueId given = L[weights];
+      if (b.type(given) != ir::TensorType{DType::kF32, b.shape(ce.loss)})
+        throw Error(Str("weights ", b.type(given).ToString(), " must be f32 with the labels' shape ",
+                        ir::ShapeToString(b.shape(ce.loss))));
+      w = w == kNoValue ? given : b.Mul(w, given);
+    }
+    return WeightedMean(L, ce.loss, w);
+  });
+}
+
+Tensor Tensor::weighted_mean(const Tensor& weights, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record("weighted_mean", loc, [x, weights](Lowering& L) {
+    if (L.b->type(L[weights]) != L.b->type(L[x]))
+      throw Error(Str("weights ", L.b->type(L[weights]).ToString(), " must match the values ", L.b->type(L[x]).ToString()));
+    return WeightedMean(L, L[x], L[weights]);
   });
 }
 
@@ -293,20 +464,251 @@ Tensor Tensor::sum(Loc loc) const {
   return m_->Record("sum", loc, [x](Lowering& L) { return L.b->SumAll(L[x]); });
 }
 
+static Tensor ReduceStep(const Tensor& x, Model* m, OpCode op, const IntList& axes, Loc loc) {
+  return m->Record(Str(ir::OpName(op), " over ", ir::ShapeToString(axes)), loc, [x, op, axes](Lowering& L) {
+    IntList a = NormAxes(axes, L.b->type(L[x]).rank(), ir::OpName(op));
+    return L.b->Emit(op, {L[x]}, {{"axes", a}});
+  });
+}
+Tensor Tensor::mean(const IntList& axes, Loc loc) const { return ReduceStep(*this, m_, OpCode::kReduceMean, axes, loc); }
+Tensor Tensor::sum(const IntList& axes, Loc loc) const { return ReduceStep(*this, m_, OpCode::kReduceSum, axes, loc); }
+Tensor Tensor::max(const IntList& axes, Loc loc) const { return ReduceStep(*this, m_, OpCode::kReduceMax, axes, loc); }
+
+// ---- Elementwise arithmetic ----
+
+Shape BroadcastShapes(const Shape& a, const Shape& b) {
+  Shape out(std::max(a.size(), b.size()), 1);
+  for (size_t i = 0; i < out.size(); ++i) {
+    int64_t da = i < a.size() ? a[a.size() - 1 - i] : 1, db = i < b.size() ? b[b.size() - 1 - i] : 1;
+    if (da != db && da != 1 && db != 1)
+      throw Error(Str("shapes ", ir::ShapeToString(a), " and ", ir::ShapeToString(b), " do not broadcast"));
+    out[out.size() - 1 - i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
 static Tensor BinaryStep(const Tensor& a, const Tensor& o, Model* m, OpCode op, Loc loc) {
   return m->Record(ir::OpName(op), loc, [a, o, op](Lowering& L) {
     ValueId x = L[a], y = L[o];
-    if (L.b->shape(x).empty() && !L.b->shape(y).empty()) x = L.b->BroadcastScalar(x, L.b->shape(y));
-    if (L.b->shape(y).empty() && !L.b->shape(x).empty()) y = L.b->BroadcastScalar(y, L.b->shape(x));
-    return L.b->Binary(op, x, y);
+    Shape out;
+    try {
+      out = BroadcastShapes(L.b->shape(x), L.b->shape(y));
+    } catch (const Error&) {
+      throw Error(Str("operands ", L.b->type(x).ToString(), " and ", L.b->type(y).ToString(), " do not broadcast"));
+    }
+    return L.b->Binary(op, BroadcastValue(*L.b, x, out), BroadcastValue(*L.b, y, out));
   });
 }
 Tensor Tensor::add(const Tensor& o, Loc loc) const { return BinaryStep(*this, o, m_, OpCode::kAdd, loc); }
 Tensor Tensor::sub(const Tensor& o, Loc loc) const { return BinaryStep(*this, o, m_, OpCode::kSub, loc); }
 Tensor Tensor::mul(const Tensor& o, Loc loc) const { return BinaryStep(*this, o, m_, OpCode::kMul, loc); }
+Tensor Tensor::div(const Tensor& o, Loc loc) const { return BinaryStep(*this, o, m_, OpCode::kDiv, loc); }
 Tensor Tensor::scale(double c, Loc loc) const {
   Tensor x = *this;
   return m_->Record(Str("scale by ", c), loc, [x, c](Lowering& L) { return L.b->MulScalar(L[x], c); });
+}
+Tensor Tensor::add_scalar(double c, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record(Str("add ", c), loc, [x, c](Lowering& L) { return L.b->AddScalar(L[x], c); });
+}
+Tensor Tensor::rdiv_scalar(double c, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record(Str(c, " / x"), loc, [x, c](Lowering& L) { return L.b->Div(L.b->ScalarLike(c, L[x]), L[x]); });
+}
+Tensor Tensor::neg(Loc loc) const { return UnaryStep(*this, m_, OpCode::kNeg, loc); }
+Tensor Tensor::exp(Loc loc) const { return UnaryStep(*this, m_, OpCode::kExp, loc); }
+Tensor Tensor::log(Loc loc) const { return UnaryStep(*this, m_, OpCode::kLog, loc); }
+Tensor Tensor::sqrt(Loc loc) const { return UnaryStep(*this, m_, OpCode::kSqrt, loc); }
+Tensor Tensor::rsqrt(Loc loc) const { return UnaryStep(*this, m_, OpCode::kRsqrt, loc); }
+
+Tensor operator+(const Tensor& a, const Operand& b) { return a.add(b.t, b.loc); }
+Tensor operator-(const Tensor& a, const Operand& b) { return a.sub(b.t, b.loc); }
+Tensor operator*(const Tensor& a, const Operand& b) { return a.mul(b.t, b.loc); }
+Tensor operator/(const Tensor& a, const Operand& b) { return a.div(b.t, b.loc); }
+Tensor operator+(const Tensor& a, ScalarOperand c) { return a.add_scalar(c.v, c.loc); }
+Tensor operator-(const Tensor& a, ScalarOperand c) { return a.add_scalar(-c.v, c.loc); }
+Tensor operator*(const Tensor& a, ScalarOperand c) { return a.scale(c.v, c.loc); }
+Tensor operator/(const Tensor& a, ScalarOperand c) { return a.scale(1.0 / c.v, c.loc); }
+Tensor operator+(ScalarOperand c, const Tensor& a) { return a.add_scalar(c.v, c.loc); }
+Tensor operator-(ScalarOperand c, const Tensor& a) { return a.neg(c.loc).add_scalar(c.v, c.loc); }
+Tensor operator*(ScalarOperand c, const Tensor& a) { return a.scale(c.v, c.loc); }
+Tensor operator/(ScalarOperand c, const Tensor& a) { return a.rdiv_scalar(c.v, c.loc); }
+Tensor operator-(const Operand& a) { return a.t.neg(a.loc); }
+
+// ---- Shapes, matmul, softmax ----
+
+Tensor Tensor::reshape_full(const Shape& global_shape, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record(Str("reshape to ", ir::ShapeToString(global_shape)), loc, [x, global_shape](Lowering& L) {
+    Shape s = L.b->shape(L[x]), out = global_shape;
+    if (s.empty() || out.empty()) throw Error("reshape_full needs a batch dimension on both sides");
+    if (out[0] % L.batch_divisor != 0)
+      throw Error(Str("batch dimension ", out[0], " is not divisible by ", L.batch_divisor, " replicas"));
+    out[0] /= L.batch_divisor;
+    if (ir::NumElements(out) != ir::NumElements(s))
+      throw Error(Str("cannot reshape ", L.b->type(L[x]).ToString(), " to ", ir::ShapeToString(out)));
+    return L.b->Reshape(L[x], out);
+  });
+}
+
+Tensor Tensor::transpose(const IntList& perm, Loc loc) const {
+  Tensor x = *this;
+  const bool batched = m_->batched(x);
+  return m_->Record(Str("transpose ", ir::ShapeToString(perm)), loc, [x, perm, batched](Lowering& L) {
+    if (batched && !perm.empty() && perm[0] != 0)
+      throw Error("transpose must keep the batch dimension first (perm[0] == 0)");
+    return L.b->Transpose(L[x], perm);
+  });
+}
+
+Tensor Tensor::slice(int64_t axis, int64_t start, int64_t limit, Loc loc) const {
+  Tensor x = *this;
+  const bool batched = m_->batched(x);
+  return m_->Record(Str("slice axis ", axis, " [", start, ", ", limit, ")"), loc, [=](Lowering& L) {
+    Shape s = L.b->shape(L[x]);
+    int64_t a = NormAxis(axis, s.size(), "slice");
+    if (a == 0 && batched) throw Error("slice cannot cut the batch dimension");
+    if (start < 0 || limit > s[a] || start >= limit)
+      throw Error(Str("[", start, ", ", limit, ") is not a non-empty range within ", s[a]));
+    IntList lo(s.size(), 0), hi(s.begin(), s.end());
+    lo[a] = start;
+    hi[a] = limit;
+    return L.b->Slice(L[x], lo, hi);
+  });
+}
+
+Tensor Tensor::matmul(const Tensor& o, bool ta, bool tb, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record("matmul", loc, [x, o, ta, tb](Lowering& L) {
+    Builder& b = *L.b;
+    const size_t ra = b.type(L[x]).rank(), rb = b.type(L[o]).rank();
+    if (ra > 2 && rb == 2 && !ta) {  // x [..., k] @ w [k, n]
+      ValueId w = tb ? b.Transpose(L[o], {1, 0}) : L[o];
+      return DenseMatmul(b, L[x], w);
+    }
+    return b.Matmul(L[x], L[o], ta, tb);
+  });
+}
+
+Tensor concat(const std::vector<Tensor>& parts, int64_t axis, Loc loc) {
+  if (parts.empty() || !parts[0].defined()) throw Error(Str(Where(loc), ": error: concat needs at least one tensor"));
+  bool batched = false;
+  for (const Tensor& t : parts) batched |= t.model()->batched(t);
+  return parts[0].model()->Record(Str("concat axis ", axis), loc, [parts, axis, batched](Lowering& L) {
+    std::vector<ValueId> vs;
+    for (const Tensor& t : parts) vs.push_back(L[t]);
+    int64_t a = NormAxis(axis, L.b->type(vs[0]).rank(), "concat");
+    if (a == 0 && batched) throw Error("concat cannot join along the batch dimension");
+    return L.b->Concat(vs, a);
+  });
+}
+
+Tensor Tensor::cast(DType to, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record(Str("cast to ", ir::DTypeName(to)), loc, [x, to](Lowering& L) { return L.b->Convert(L[x], to); });
+}
+
+// x - max - log(sum(exp(x - max))) along `a`, and the shifted values and the sum.
+static ValueId LogSoftmax(Builder& b, ValueId x, int64_t axis, bool want_softmax) {
+  Shape s = b.shape(x);
+  int64_t a = NormAxis(axis, s.size(), "softmax");
+  IntList keep;
+  for (int64_t i = 0; i < static_cast<int64_t>(s.size()); ++i)
+    if (i != a) keep.push_back(i);
+  ValueId shifted = b.Sub(x, b.Broadcast(b.ReduceMax(x, {a}), s, keep));
+  ValueId e = b.Unary(OpCode::kExp, shifted);
+  ValueId total = b.Broadcast(b.ReduceSum(e, {a}), s, keep);
+  if (want_softmax) return b.Div(e, total);
+  return b.Sub(shifted, b.Unary(OpCode::kLog, total));
+}
+
+Tensor Tensor::softmax(int64_t axis, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record("softmax", loc, [x, axis](Lowering& L) { return LogSoftmax(*L.b, L[x], axis, true); });
+}
+
+Tensor Tensor::log_softmax(int64_t axis, Loc loc) const {
+  Tensor x = *this;
+  return m_->Record("log_softmax", loc, [x, axis](Lowering& L) { return LogSoftmax(*L.b, L[x], axis, false); });
+}
+
+// ---- Batch norm and dropout ----
+
+Tensor Tensor::batch_norm(const std::string& name, BatchNormOptions o, Loc loc) const {
+  const int64_t c = shape().size() >= 2 ? shape()[1] : 0;
+  Tensor gamma = m_->weight(name + ".gamma", f32({c}), "ones", {}, WeightOptions::NoDecay(), loc);
+  Tensor beta = m_->weight(name + ".beta", f32({c}), "zeros", {}, WeightOptions::NoDecay(), loc);
+  Tensor rmean = m_->state(name + ".running_mean", f32({c}), "zeros", {}, loc);
+  Tensor rvar = m_->state(name + ".running_var", f32({c}), "ones", {}, loc);
+  Tensor x = *this;
+  return m_->Record(Str("batch_norm '", name, "'"), loc, [x, gamma, beta, rmean, rvar, o](Lowering& L) {
+    Builder& b = *L.b;
+    ir::Module& m = b.module();
+    ValueId v = L[x];
+    const Shape s = b.shape(v);
+    if (s.size() != 2 && s.size() != 4)
+      throw Error(Str("input must be [B,C] or NCHW, got ", b.type(v).ToString()));
+    if (o.momentum < 0 || o.momentum > 1 || o.eps <= 0)
+      throw Error(Str("momentum ", o.momentum, " must be in [0, 1] and eps ", o.eps, " positive"));
+    const IntList axes = s.size() == 2 ? IntList{0} : IntList{0, 2, 3};
+    auto per_channel = [&](ValueId t) { return b.Broadcast(t, s, {1}); };
+    ValueId mean, var;
+    if (!L.training()) {
+      mean = L[rmean];
+      var = L[rvar];
+    } else {
+      // (At most the replica count: the eager, one-replica lowering has no groups.)
+      const int64_t bn_group = std::min<int64_t>(o.group_size > 0 ? o.group_size : L.group_replicas(), L.replicas());
+      const bool cross = o.cross_replica && bn_group > 1;
+      const ir::IntLists bn_groups = ir::ContiguousGroups(L.replicas(), static_cast<int>(bn_group));
+      // Equal per-replica counts: the group's mean is the mean of the replicas' means.
+      auto reduce = [&](ValueId t) { return cross ? L.b->AllReduce(t, "mean", bn_groups) : t; };
+      mean = reduce(b.ReduceMean(v, axes));
+      ValueId centered = b.Sub(v, per_channel(mean));
+      var = reduce(b.ReduceMean(b.Mul(centered, centered), axes));
+      // Running statistics (torch): unbiased variance; per-replica statistics are averaged over the
+      // group so every replica keeps the same running values.
+      int64_t n = ir::NumElements(s) / s[1] * (cross ? bn_group : 1);
+      ValueId unbiased = b.MulScalar(var, n > 1 ? static_cast<double>(n) / static_cast<double>(n - 1) : 1.0);
+      ValueId smean = mean;
+      if (!cross || bn_group != L.group_replicas()) {  // the same running statistics on every replica
+        smean = GroupMean(L, smean);
+        unbiased = GroupMean(L, unbiased);
+      }
+      auto update = [&](ValueId r, ValueId stat) {
+        ValueId nr = b.Add(b.MulScalar(r, 1 - o.momentum), b.MulScalar(stat, o.momentum));
+        if (m.AssignedValue(r) != kNoValue)
+          throw Error(Str("state '", m.at(r).name, "' is assigned twice (batch_norm called twice with one name?)"));
+        m.assigns.push_back({r, nr});
+      };
+      update(L[rmean], smean);
+      update(L[rvar], unbiased);
+    }
+    ValueId inv = b.Unary(OpCode::kRsqrt, b.AddScalar(var, o.eps));
+    ValueId y = b.Mul(b.Sub(v, per_channel(mean)), per_channel(b.Mul(inv, L[gamma])));
+    return b.Add(y, per_channel(L[beta]));
+  });
+}
+
+Tensor Tensor::dropout(double p, Loc loc) const {
+  const int64_t site = m_->NextDropoutSite();  // every call is a site, p == 0 too
+  if (p == 0.0) return *this;
+  const uint64_t seed = (m_->seed() << 16) + static_cast<uint64_t>(site);
+  Tensor x = *this;
+  return m_->Record(Str("dropout ", p), loc, [x, p, seed](Lowering& L) {
+    if (p < 0 || p >= 1) throw Error(Str("p ", p, " is not in [0, 1)"));
+    if (!L.training()) return L[x];
+    Builder& b = *L.b;
+    ir::Module& m = b.module();
+    if (b.type(L[x]).rank() < 1) throw Error("dropout needs a batch dimension");
+    ValueId step = m.FindVariable("step");
+    if (step == kNoValue) step = b.Variable("step", {DType::kS32, {}}, ir::kRoleStep, {{"init", std::string("zeros")}});
+    const Shape s = b.shape(L[x]);  // a copy: the ops below may grow the type table
+    ValueId first = b.Mul(b.ReplicaId(), b.Scalar(static_cast<double>(s[0]), DType::kS32));
+    ValueId u = b.RandomUniform(step, first, s, seed);
+    ValueId keep = b.Binary(OpCode::kGe, u, b.ScalarLike(p, u));
+    return b.Select(keep, b.Div(L[x], b.ScalarLike(1.0 - p, L[x])), b.ScalarLike(0.0, L[x]));
+  });
 }
 
 }  // namespace shardstep::dsl

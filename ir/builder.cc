@@ -98,4 +98,28 @@ ValueId Builder::Matmul(ValueId a, ValueId b, bool transpose_a, bool transpose_b
               {{"transpose_a", int64_t{transpose_a}}, {"transpose_b", int64_t{transpose_b}}});
 }
 
+ValueId Builder::Iota(TensorType type, int64_t dimension) {
+  Attrs attrs{{"dimension", dimension}};
+  Instr in{OpCode::kIota, {}, InferType(OpCode::kIota, {}, attrs, &type), std::move(attrs), ""};
+  return m_->Append(std::move(in));
+}
+
+ValueId Builder::RandomUniform(ValueId step, ValueId first_example, const Shape& shape, uint64_t seed) {
+  return Emit(OpCode::kRandomUniform, {step, first_example},
+              {{"seed", static_cast<int64_t>(seed)}, {"shape", IntList(shape)}});
+}
+
+ValueId Builder::MaxPool(ValueId x, const IntList& window, const IntList& stride, int64_t padding) {
+  Attrs attrs{{"window", window}};
+  if (!stride.empty()) attrs["stride"] = stride;
+  if (padding != 0) attrs["padding"] = padding;
+  return Emit(OpCode::kMaxPool, {x}, std::move(attrs));
+}
+
+ValueId Builder::AllReduce(ValueId x, const std::string& reduction, const IntLists& groups) {
+  Attrs attrs{{"reduction", reduction}};
+  if (!groups.empty()) attrs["groups"] = groups;
+  return Emit(OpCode::kAllReduce, {x}, std::move(attrs));
+}
+
 }  // namespace shardstep::ir

@@ -56,7 +56,18 @@ class Builder {
   ValueId ReduceMean(ValueId a, const IntList& axes);
   ValueId SumAll(ValueId a);  // to a scalar
 
+  // Rank >= 2, equal leading (batch) dimensions; the transposes act on the last two dimensions.
   ValueId Matmul(ValueId a, ValueId b, bool transpose_a = false, bool transpose_b = false);
+
+  // Each element's index along `dimension`, as `type` (f32 or s32).
+  ValueId Iota(TensorType type, int64_t dimension);
+  // Uniform [0, 1) from Philox4x32-10 (ir/ops.def): dimension 0 of `shape` counts examples from
+  // `first_example`, so an example's values do not depend on how the batch is split.
+  ValueId RandomUniform(ValueId step, ValueId first_example, const Shape& shape, uint64_t seed);
+  // NCHW max pooling; stride defaults to the window; padded cells never win.
+  ValueId MaxPool(ValueId x, const IntList& window, const IntList& stride = {}, int64_t padding = 0);
+  // reduction "sum", "mean" or "max" over replica groups (empty: all replicas).
+  ValueId AllReduce(ValueId x, const std::string& reduction, const IntLists& groups = {});
 
  private:
   Module* m_;

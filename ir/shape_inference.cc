@@ -93,6 +93,15 @@ int64_t WindowOut(int64_t in, int64_t k, int64_t stride, int64_t pad) {
   return in + 2 * pad < k ? 0 : (in + 2 * pad - k) / stride + 1;
 }
 
+// max_pool's `padding` (default 0, the same on every side): padded cells never win, and every window
+// must hold a real cell, hence padding < window.
+int64_t MaxPoolPadding(const Checker& c, const IntList& k) {
+  const int64_t p = c.Int("padding", 0);
+  c.Require(p >= 0 && p < k[0] && p < k[1],
+            Str("padding ", p, " must be non-negative and smaller than the window ", ShapeToString(k)));
+  return p;
+}
+
 }  // namespace
 
 IntLists ReplicaGroups(const Instr& c, int num_replicas) {
@@ -135,6 +144,14 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       return *declared;
     case OpCode::kReplicaId:
       return {DType::kS32, {}};
+    case OpCode::kIota: {
+      c.Require(declared != nullptr, "a leaf needs a declared type");
+      for (int64_t d : declared->shape) c.Require(d >= 0, Str("negative dimension in ", declared->ToString()));
+      const int64_t dim = c.Int("dimension");
+      c.Require(dim >= 0 && dim < declared->rank(),
+                Str("dimension ", dim, " out of range for ", declared->ToString()));
+      return *declared;
+    }
 
     case OpCode::kNeg:
     case OpCode::kAbs:
@@ -258,16 +275,25 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       return {in[0].dtype, out};
     }
 
-    case OpCode::kMatmul: {
-      c.RequireRank(0, 2);
-      c.RequireRank(1, 2);
+    case OpCode::kMatmul: {  // [batch..., m, k] x [batch..., k, n]; transposes act on the last two dims
+      const int64_t r = in[0].rank();
+      c.Require(r >= 2, Str("operands must have rank >= 2, got ", in[0].ToString()));
+      c.Require(in[1].rank() == r, Str("operands must have the same rank, got ", in[0].ToString(), " and ",
+                                       in[1].ToString()));
       c.RequireF32(0);
       c.RequireF32(1);
+      for (int64_t d = 0; d + 2 < r; ++d)
+        c.Require(in[0].shape[d] == in[1].shape[d],
+                  Str("batch dimension ", d, " differs: ", in[0].shape[d], " vs ", in[1].shape[d]));
+      const Shape &a = in[0].shape, &b = in[1].shape;
       bool ta = c.Int("transpose_a", 0) != 0, tb = c.Int("transpose_b", 0) != 0;
-      int64_t m = ta ? in[0].shape[1] : in[0].shape[0], k = ta ? in[0].shape[0] : in[0].shape[1];
-      int64_t k2 = tb ? in[1].shape[1] : in[1].shape[0], n = tb ? in[1].shape[0] : in[1].shape[1];
+      int64_t m = ta ? a[r - 1] : a[r - 2], k = ta ? a[r - 2] : a[r - 1];
+      int64_t k2 = tb ? b[r - 1] : b[r - 2], n = tb ? b[r - 2] : b[r - 1];
       c.Require(k == k2, Str("contracting dimensions differ: ", k, " vs ", k2));
-      return {DType::kF32, {m, n}};
+      Shape out(a.begin(), a.end() - 2);
+      out.push_back(m);
+      out.push_back(n);
+      return {DType::kF32, out};
     }
     case OpCode::kConv2d: {
       c.RequireRank(0, 4);
@@ -309,8 +335,9 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.RequireRank(0, 4);
       IntList k = c.Pair("window"), s = c.Pair("stride", k);
       c.Require(k[0] > 0 && k[1] > 0 && s[0] > 0 && s[1] > 0, "window and stride must be positive");
+      const int64_t p = op == OpCode::kMaxPool ? MaxPoolPadding(c, k) : 0;
       const Shape& x = in[0].shape;
-      int64_t oh = WindowOut(x[2], k[0], s[0], 0), ow = WindowOut(x[3], k[1], s[1], 0);
+      int64_t oh = WindowOut(x[2], k[0], s[0], p), ow = WindowOut(x[3], k[1], s[1], p);
       c.Require(oh > 0 && ow > 0 && s[0] > 0 && s[1] > 0, "window larger than input, or bad stride");
       return {DType::kF32, {x[0], x[1], oh, ow}};
     }
@@ -319,9 +346,10 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.RequireRank(1, 4);
       IntList k = c.Pair("window"), s = c.Pair("stride", k);
       c.Require(k[0] > 0 && k[1] > 0 && s[0] > 0 && s[1] > 0, "window and stride must be positive");
+      const int64_t p = MaxPoolPadding(c, k);
       const Shape &x = in[0].shape, &dy = in[1].shape;
-      c.Require(dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
-                "dy does not match the pooled shape of x");
+      c.Require(dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], p), WindowOut(x[3], k[1], s[1], p)},
+                Str("dy ", in[1].ToString(), " does not match the pooled shape of x ", in[0].ToString()));
       return in[0];
     }
     case OpCode::kAvgPoolGrad: {  // (dy) -> dx
@@ -333,6 +361,16 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.Require(x.size() == 4 && dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
                 "dy does not match the pooled shape of input_shape");
       return {DType::kF32, x};
+    }
+
+    case OpCode::kRandomUniform: {  // (step s32[], first_example s32[]) {seed, shape} -> f32[shape]
+      for (size_t i = 0; i < 2; ++i)
+        c.Require(in[i].dtype == DType::kS32 && in[i].rank() == 0,
+                  Str(i == 0 ? "step" : "first_example", " must be an s32 scalar, got ", in[i].ToString()));
+      c.Int("seed");
+      Shape shape = c.Ints("shape");
+      for (int64_t d : shape) c.Require(d >= 0, Str("negative dimension in shape ", ShapeToString(shape)));
+      return {DType::kF32, shape};
     }
 
     case OpCode::kOneHot: {

@@ -18,12 +18,14 @@
 //  5. Assignments take effect together, as in the interpreter: a variable read in place by another
 //     assignment (`@a = @b; @b = @a`, a reshape of a variable) is read before it is overwritten, and
 //     a cycle of such reads goes through a staging buffer (jit/buffer_plan.h SequenceAssignments).
-// Lowering of the non-fused ops: matmul -> oneDNN sgemm; broadcast, transpose, slice, pad, concat
-// -> strided copies; reductions and gather -> native loops with the interpreter's summation order;
-// conv2d and its gradients -> im2col + oneDNN sgemm per image, max pooling -> native loops
-// (jit/cpu_kernels.h); one-hot -> a native loop; collectives -> the runtime Collectives; the rest
-// (avg pooling, scatter-add, s32 division) -> the interpreter's own kernel on a one-op module, so
-// every op of the table runs.
+// Lowering of the non-fused ops: matmul -> oneDNN sgemm (batched: one per batch element,
+// jit/native_ops.h); broadcast, transpose, slice, pad, concat -> strided copies; reductions and
+// gather -> native loops with the interpreter's summation order; conv2d and its gradients -> im2col +
+// oneDNN sgemm per image, max pooling -> native loops (jit/cpu_kernels.h); avg pooling, scatter-add,
+// s32 division, iota -> native loops (jit/native_ops.h); random_uniform -> the JIT's own Philox
+// (jit/random_lowering.h); one-hot -> a native loop; collectives -> the runtime Collectives. The
+// interpreter's kernel on a one-op module (kReference) remains as a fallback for a future op with no
+// native lowering; no op of the table uses it (tests/jit/jit_conformance_test.cc checks).
 #include "jit/compiled_step.h"
 #include "jit/jit_source_hash.h"
 
@@ -49,7 +51,10 @@
 #include "ir/shape_inference.h"
 #include "jit/buffer_plan.h"
 #include "jit/cpu_kernels.h"
+#include "jit/data_movement.h"
 #include "jit/dnnl_kernels.h"
+#include "jit/native_ops.h"
+#include "jit/random_lowering.h"
 
 namespace shardstep::jit {
 
@@ -62,190 +67,12 @@ using runtime::TensorMap;
 
 namespace {
 
-// Per-dimension strides or indices of the native data-movement ops, on the stack: a step allocates
-// nothing. Ranks above kMaxRank are an error (the IR has no limit; no model here comes close).
-class Strides {
- public:
-  static constexpr int kMaxRank = 8;
-  Strides() = default;
-  explicit Strides(size_t size, int64_t fill = 0) : n_(static_cast<int>(size)) {
-    if (size > kMaxRank) throw Error(Str("rank ", size, " exceeds the CPU backend's limit of ", kMaxRank, " dimensions"));
-    std::fill(v_, v_ + n_, fill);
-  }
-  size_t size() const { return static_cast<size_t>(n_); }
-  bool empty() const { return n_ == 0; }
-  int64_t& operator[](size_t i) { return v_[i]; }
-  int64_t operator[](size_t i) const { return v_[i]; }
-  int64_t back() const { return v_[n_ - 1]; }
-
- private:
-  int64_t v_[kMaxRank] = {};
-  int n_ = 0;
-};
-
 // Changes with every change to jit/ (a build-time hash of its sources), so stale cache entries are
 // never used.
 constexpr const char* kEmitterVersion = "shardstep-jit-" SS_JIT_SOURCE_HASH;
 constexpr int64_t kArenaAlign = 64;
 
 int FusionGroup(const ir::Instr& in) { return static_cast<int>(in.GetInt(ir::kFusionAttr, -1)); }
-
-Strides RowMajor(const Shape& s) {
-  Strides st(s.size());
-  int64_t acc = 1;
-  for (int64_t i = static_cast<int64_t>(s.size()) - 1; i >= 0; --i) st[i] = acc, acc *= s[i];
-  return st;
-}
-
-// dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
-void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
-  const int64_t total = ir::NumElements(shape);
-  if (total == 0) return;
-  if (shape.empty()) {
-    dst[0] = src[0];
-    return;
-  }
-  const int rank = static_cast<int>(shape.size());
-  const int64_t n = shape.back(), si = ss.back();
-  Strides idx(rank);
-  int64_t off = 0;
-  for (int64_t row = 0, rows = total / n; row < rows; ++row) {
-    const uint32_t* s = src + off;
-    uint32_t* d = dst + row * n;
-    if (si == 1) std::memcpy(d, s, n * 4);
-    else if (si == 0) std::fill(d, d + n, s[0]);
-    else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
-    for (int dd = rank - 2; dd >= 0; --dd) {
-      off += ss[dd];
-      if (++idx[dd] < shape[dd]) break;
-      off -= ss[dd] * shape[dd];
-      idx[dd] = 0;
-    }
-  }
-}
-
-// dst viewed through `ds` = src (row-major over `shape`).
-void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, const Strides& ds) {
-  const int64_t total = ir::NumElements(shape);
-  if (total == 0) return;
-  if (shape.empty()) {
-    dst[0] = src[0];
-    return;
-  }
-  const int rank = static_cast<int>(shape.size());
-  const int64_t n = shape.back(), di = ds.back();
-  Strides idx(rank);
-  int64_t off = 0;
-  for (int64_t row = 0, rows = total / n; row < rows; ++row) {
-    const uint32_t* s = src + row * n;
-    uint32_t* d = dst + off;
-    if (di == 1) std::memcpy(d, s, n * 4);
-    else for (int64_t k = 0; k < n; ++k) d[k * di] = s[k];
-    for (int dd = rank - 2; dd >= 0; --dd) {
-      off += ds[dd];
-      if (++idx[dd] < shape[dd]) break;
-      off -= ds[dd] * shape[dd];
-      idx[dd] = 0;
-    }
-  }
-}
-
-int32_t Wrap(int64_t v) { return static_cast<int32_t>(static_cast<uint32_t>(v)); }
-template <typename T>
-T MaxOf(T a, T b) { return (a > b) | (a != a) ? a : b; }
-
-// Reduces `axes` of x (shape `shape`) into out. Max folds in increasing input index order (the
-// interpreter's order). Sums accumulate in double over fixed blocks of rows, run in parallel, whose
-// partial sums are then added in block order; within a row along a reduced last axis, four
-// interleaved partial sums break the add-latency chain. The order depends only on the shape, so
-// results are deterministic (whatever the thread count), within float rounding of the
-// interpreter's serial order. `acc` holds the blocks' partial sums.
-template <typename T>
-void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape& out_shape, const T* x, T* out,
-            std::vector<double>& acc) {
-  Strides os = RowMajor(out_shape), acc_strides(shape.size(), 0);
-  int64_t count = 1;
-  for (size_t d = 0, j = 0; d < shape.size(); ++d) {
-    if (std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d))) count *= shape[d];
-    else acc_strides[d] = os[j++];
-  }
-  const int64_t nout = ir::NumElements(out_shape), total = ir::NumElements(shape);
-  const int rank = static_cast<int>(shape.size());
-  const int64_t n = shape.empty() ? 1 : shape.back(), inner = acc_strides.empty() ? 0 : acc_strides.back();
-  const int64_t rows = n > 0 ? total / n : 0;
-  // row(src offset, dst offset) for rows [begin, end), walking the output index incrementally.
-  auto for_rows = [&](int64_t begin, int64_t end, auto row) {
-    if (total == 0 || begin >= end) return;
-    Strides idx(std::max(rank, 1));
-    int64_t dst = 0;
-    for (int64_t dd = rank - 2, rem = begin; dd >= 0; --dd) {
-      idx[dd] = rem % shape[dd];
-      rem /= shape[dd];
-      dst += idx[dd] * acc_strides[dd];
-    }
-    for (int64_t r = begin; r < end; ++r) {
-      row(r * n, dst);
-      for (int dd = rank - 2; dd >= 0; --dd) {
-        dst += acc_strides[dd];
-        if (++idx[dd] < shape[dd]) break;
-        dst -= acc_strides[dd] * shape[dd];
-        idx[dd] = 0;
-      }
-    }
-  };
-  if (op == OpCode::kReduceMax) {
-    T init = std::numeric_limits<T>::lowest();
-    if constexpr (std::is_same_v<T, float>) init = -INFINITY;
-    std::fill(out, out + nout, init);
-    for_rows(0, rows, [&](int64_t src, int64_t dst) {
-      for (int64_t k = 0; k < n; ++k) out[dst + k * inner] = MaxOf(out[dst + k * inner], x[src + k]);
-    });
-    return;
-  }
-  // Blocks of about 64K elements (whole rows): the partition depends on the shape only.
-  const int64_t block_rows = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(n, 1));
-  const int64_t blocks = std::max<int64_t>(1, (rows + block_rows - 1) / block_rows);
-  acc.assign(blocks * nout, 0.0);
-  auto run_block = [&](int64_t blk) {
-    double* part = acc.data() + blk * nout;
-    for_rows(blk * block_rows, std::min(rows, (blk + 1) * block_rows), [&](int64_t src, int64_t dst) {
-      const T* xs = x + src;
-      if (inner == 0) {
-        double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-        int64_t k = 0;
-        for (; k + 4 <= n; k += 4) {
-          s0 += xs[k];
-          s1 += xs[k + 1];
-          s2 += xs[k + 2];
-          s3 += xs[k + 3];
-        }
-        for (; k < n; ++k) s0 += xs[k];
-        part[dst] += (s0 + s1) + (s2 + s3);
-      } else if (inner == 1) {
-        double* a = part + dst;
-        for (int64_t k = 0; k < n; ++k) a[k] += xs[k];
-      } else {
-        double* a = part + dst;
-        for (int64_t k = 0; k < n; ++k) a[k * inner] += xs[k];
-      }
-    });
-  };
-  if (blocks == 1) {
-    run_block(0);
-  } else {
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks, 1), [&](const tbb::blocked_range<int64_t>& r) {
-      for (int64_t blk = r.begin(); blk < r.end(); ++blk) run_block(blk);
-    });
-  }
-  const bool mean = op == OpCode::kReduceMean;
-  for (int64_t i = 0; i < nout; ++i) {
-    double v = acc[i];
-    for (int64_t blk = 1; blk < blocks; ++blk) v += acc[blk * nout + i];
-    if (mean) v = count ? v / count : (std::is_same_v<T, float> ? NAN : 0.0);
-    if constexpr (std::is_same_v<T, float>) out[i] = static_cast<float>(v);
-    else out[i] = mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
-  }
-}
 
 runtime::Reduction ReductionOf(const ir::Instr& in) { return runtime::ParseReduction(in.GetString("reduction", "sum")); }
 
@@ -307,7 +134,7 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
   if (in.Has(ir::kFusionAttr) || ir::IsFusible(m, v)) return Lowering::kFused;
   switch (in.op) {
     case OpCode::kReshape: return Lowering::kAlias;
-    case OpCode::kMatmul: return Lowering::kMatmul;
+    case OpCode::kMatmul: return in.type.rank() == 2 ? Lowering::kMatmul : Lowering::kNative;
     case OpCode::kAllReduce:
     case OpCode::kReduceScatter:
     case OpCode::kAllGather: return Lowering::kCollective;
@@ -325,7 +152,12 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
     case OpCode::kConv2dInputGrad:
     case OpCode::kConv2dFilterGrad:
     case OpCode::kMaxPool:
-    case OpCode::kMaxPoolGrad: return Lowering::kNative;
+    case OpCode::kMaxPoolGrad:
+    case OpCode::kAvgPool:
+    case OpCode::kAvgPoolGrad:
+    case OpCode::kScatterAdd:
+    case OpCode::kRandomUniform: return Lowering::kNative;
+    case OpCode::kDiv: return in.type.dtype == DType::kS32 ? Lowering::kNative : Lowering::kReference;
     default: return Lowering::kReference;
   }
 }
@@ -637,6 +469,7 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       if (in.op == OpCode::kVariable) ws->ptr[v] = const_cast<void*>(LookupLeaf(variables, "variable", in));
       else if (in.op == OpCode::kInput) ws->ptr[v] = const_cast<void*>(LookupLeaf(inputs, "input", in, batch_parts, replica));
       else if (in.op == OpCode::kReplicaId) static_cast<int32_t*>(out)[0] = replica;
+      else if (in.op == OpCode::kIota) Iota(in.type, in.GetInt("dimension"), out);
       return;
     case Lowering::kAlias: ws->ptr[v] = P(0); return;
     case Lowering::kFused: SS_CHECK(false, "fused %", v, " scheduled alone"); return;
@@ -767,14 +600,41 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       return;
     }
     case OpCode::kMaxPool:
-    case OpCode::kMaxPoolGrad: {
+    case OpCode::kMaxPoolGrad:
+    case OpCode::kAvgPool:
+    case OpCode::kAvgPoolGrad: {
       for (ValueId o : in.operands)
         if (m_.type(o).dtype != DType::kF32) throw Error(Str("operands must be f32, got ", m_.type(o).ToString()));
-      const PoolShape g = PoolShapeOf(shape(0), in);
-      if (in.op == OpCode::kMaxPool) MaxPool(g, static_cast<const float*>(P(0)), static_cast<float*>(out));
-      else MaxPoolGrad(g, static_cast<const float*>(P(0)), static_cast<const float*>(P(1)), static_cast<float*>(out));
+      const float* x = static_cast<const float*>(P(0));
+      float* y = static_cast<float*>(out);
+      if (in.op == OpCode::kMaxPool) MaxPool(PoolShapeOf(shape(0), in), x, y);
+      else if (in.op == OpCode::kMaxPoolGrad) MaxPoolGrad(PoolShapeOf(shape(0), in), x, static_cast<const float*>(P(1)), y);
+      else if (in.op == OpCode::kAvgPool) AvgPool(PoolShapeOf(shape(0), in), x, y);
+      else AvgPoolGrad(PoolShapeOf(in.type.shape, in), x, y);
       return;
     }
+    case OpCode::kMatmul:  // batched (rank >= 3)
+      BatchedMatmul(in, shape(0), shape(1), static_cast<const float*>(P(0)), static_cast<const float*>(P(1)),
+                    static_cast<float*>(out));
+      return;
+    case OpCode::kRandomUniform:
+      RandomUniform(static_cast<uint64_t>(in.GetInt("seed")), static_cast<const int32_t*>(P(0))[0],
+                    static_cast<const int32_t*>(P(1))[0], in.type.shape, static_cast<float*>(out));
+      return;
+    case OpCode::kScatterAdd: {
+      const int64_t count = m_.type(in.operands[0]).elements(), rows = in.type.shape[0];
+      const int64_t width = rows ? in.type.elements() / rows : 0;
+      const int32_t* idx = static_cast<const int32_t*>(P(0));
+      if (in.type.dtype == DType::kF32)
+        ScatterAdd<float>(idx, count, static_cast<const float*>(P(1)), rows, width, static_cast<float*>(out));
+      else
+        ScatterAdd<int32_t>(idx, count, static_cast<const int32_t*>(P(1)), rows, width, static_cast<int32_t*>(out));
+      return;
+    }
+    case OpCode::kDiv:  // s32 (f32 division is fused)
+      DivS32(static_cast<const int32_t*>(P(0)), static_cast<const int32_t*>(P(1)), in.type.elements(),
+             static_cast<int32_t*>(out));
+      return;
     default: SS_CHECK(false, "no native lowering for ", ir::OpName(in.op));
   }
 }

@@ -1,7 +1,7 @@
 // CompiledStep: a module compiled for the CPU backend: one JIT'd object holding the fused kernels and
-// the step driver that runs the schedule (kernels, oneDNN matmuls, native data movement,
-// collectives, and the reference kernels of the interpreter for the few ops with no native lowering
-// yet), plus the buffer plan that places the step's temporaries in one arena.
+// the step driver that runs the schedule (kernels, oneDNN matmuls, native loops, collectives; the
+// interpreter's kernels remain only as a fallback for a future op without a native lowering, which no
+// op of the table uses), plus the buffer plan that places the step's temporaries in one arena.
 #pragma once
 
 #include <memory>
@@ -32,7 +32,8 @@ struct CompileInfo {
   int64_t swapped_bytes = 0;
 };
 
-// How each instruction of the step runs (for tests and `--emit`).
+// How each instruction of the step runs (for tests and `--emit`). kReference: the interpreter's kernel
+// on a one-op module (a fallback no op of the table takes; tests/jit/jit_conformance_test.cc checks).
 enum class Lowering { kLeaf, kAlias, kFused, kNative, kMatmul, kCollective, kReference };
 Lowering LoweringOf(const ir::Module& m, ir::ValueId v);
 

@@ -187,7 +187,25 @@ void ForEachPlaneRow(const PoolShape& g, F f) {  // f(row 0 of the window, row 1
 }
 }  // namespace
 
+namespace {
+// Padded max pooling: each window clipped to its plane (padded cells never win).
+template <typename F>
+void ForEachPaddedWindow(const PoolShape& g, F f) {  // f(plane offset, argmax within the plane, output index)
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, g.planes, 1), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t p = r.begin(); p < r.end(); ++p)
+      for (int64_t y = 0; y < g.oh; ++y)
+        for (int64_t x = 0; x < g.ow; ++x) f(p * g.h * g.w, p, y, x, (p * g.oh + y) * g.ow + x);
+  });
+}
+}  // namespace
+
 void MaxPool(const PoolShape& g, const float* x, float* y) {
+  if (g.pad > 0) {
+    ForEachPaddedWindow(g, [&](int64_t plane, int64_t, int64_t oy, int64_t ox, int64_t o) {
+      y[o] = x[plane + runtime::PaddedWindowArgMax(x + plane, g, oy, ox)];
+    });
+    return;
+  }
   if (Is2x2(g)) {
     ForEachPlaneRow(g, [&](int64_t r0, int64_t r1, int64_t o) {
       const float* __restrict a = x + r0;
@@ -208,6 +226,13 @@ void MaxPool(const PoolShape& g, const float* x, float* y) {
 }
 
 void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx) {
+  if (g.pad > 0) {  // a plane's windows are visited by one task, in order: no race, the interpreter's order
+    std::fill(dx, dx + g.planes * g.h * g.w, 0.0f);
+    ForEachPaddedWindow(g, [&](int64_t plane, int64_t, int64_t oy, int64_t ox, int64_t o) {
+      dx[plane + runtime::PaddedWindowArgMax(x + plane, g, oy, ox)] += dy[o];
+    });
+    return;
+  }
   if (Is2x2(g) && g.h == 2 * g.oh && g.w == 2 * g.ow) {
     // The windows tile the plane: one pass writes every element of dx (no separate zeroing).
     ForEachPlaneRow(g, [&](int64_t r0, int64_t r1, int64_t o) {

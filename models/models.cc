@@ -2,6 +2,8 @@
 #include "models/models.h"
 
 #include "ir/error.h"
+#include "models/resnet.h"
+#include "models/transformer.h"
 
 namespace shardstep::models {
 
@@ -50,6 +52,14 @@ const std::vector<ModelSpec>& AllModels() {
        "fashion-mnist", {784}, DefineMlp},
       {"cnn", "two 3x3 conv + max-pool blocks, then dense 128 and dense 10", Task::kClassification, "fashion-mnist",
        {1, 28, 28}, DefineCnn},
+      {"resnet20", "CIFAR-style ResNet-20 with batch norm (3 stages of 3 basic blocks, 16/32/64 filters)",
+       Task::kClassification, "fashion-mnist", {1, 28, 28}, DefineResnet20},
+      {"resnet50", "ResNet-50 v1.5 with batch norm (bottlenecks 3/4/6/3; 25,557,032 parameters at --classes 1000)",
+       Task::kClassification, "synthetic-imagenet", {3, 224, 224}, DefineResnet50},
+      {"transformer_lm", "GPT-style character language model (pre-LN, causal; --context 128 --layers 4 --width 256 --heads 4)",
+       Task::kLanguageModel, "kjv", {}, DefineTransformerLm},
+      {"bert", "BERT encoder with a masked-LM head (post-LN; --size small|base|large)", Task::kMaskedLm, "kjv", {},
+       DefineBert},
   };
   return models;
 }

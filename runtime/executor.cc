@@ -67,10 +67,16 @@ ReplicatedExecutor::ReplicatedExecutor(const ir::Module& layout)
   KeepFreedMemory();
 }
 
-TensorMap ReplicatedExecutor::Step(const TensorMap& global_inputs) {
-  if (n_ == 1) return RunReplica(0, global_inputs, states_[0], nullptr);  // no thread hop
+std::vector<TensorMap> ReplicatedExecutor::StepReplicas(const TensorMap& global_inputs) {
+  if (n_ == 1) return {RunReplica(0, global_inputs, states_[0], nullptr)};  // no thread hop
   std::vector<TensorMap> outputs(n_);
   RunReplicas(n_, &collectives_, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], &collectives_); });
+  return outputs;
+}
+
+TensorMap ReplicatedExecutor::Step(const TensorMap& global_inputs) {
+  if (n_ == 1) return RunReplica(0, global_inputs, states_[0], nullptr);  // no thread hop
+  std::vector<TensorMap> outputs = StepReplicas(global_inputs);
   TensorMap out = std::move(outputs[0]);
   if (out.count("loss")) {
     double sum = 0;

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "ir/module.h"
 #include "runtime/inprocess_collectives.h"
@@ -19,6 +20,9 @@ class Executor {
   // One training step on the global batch. Returns replica 0's outputs, with the scalar "loss"
   // averaged over replicas.
   virtual TensorMap Step(const TensorMap& global_inputs) = 0;
+  // The same step, returning every replica's outputs unchanged (index = replica id), for callers that
+  // want the whole global batch of a batched output (api/session.h). Default: one replica, Step's.
+  virtual std::vector<TensorMap> StepReplicas(const TensorMap& global_inputs) { return {Step(global_inputs)}; }
   // Runs a forward-only module (no assigns) with the current weights on one replica.
   virtual TensorMap Forward(const ir::Module& forward, const TensorMap& inputs) = 0;
   // The logical state: every variable unsharded and unpadded, as a checkpoint stores it.
@@ -48,6 +52,7 @@ class ReplicatedExecutor : public Executor {
   using Executor::LoadLogicalState;  // the xtensor overloads
   using Executor::Step;
   TensorMap Step(const TensorMap& global_inputs) final;
+  std::vector<TensorMap> StepReplicas(const TensorMap& global_inputs) final;
   TensorMap LogicalState() const final;
   void LoadLogicalState(const TensorMap& state) final;
   double CommunicationSeconds() const final { return collectives_.busy_seconds(); }

@@ -7,7 +7,8 @@
 //  - max/min propagate NaN; relu(x) = x > 0 ? x : 0 (relu(NaN) = NaN); convert f32 -> s32 truncates
 //    toward zero and saturates (NaN -> 0).
 //  - reduce_sum/mean accumulate in double in increasing input index order; reduce_max, max_pool take
-//    the first maximum (a NaN counts as a maximum).
+//    the first maximum (a NaN counts as a maximum; max_pool's padded cells never win).
+//  - random_uniform is Philox4x32-10 (runtime/philox.h), bitwise.
 // Backends may round differently (but must stay within rounding of these results) where:
 //  - matmul and conv2d (and its gradients) accumulate their products in double, in index order of
 //    the contracted dimensions, and round once; avg_pool and its gradient also sum in double.
@@ -35,6 +36,7 @@
 
 #include "ir/error.h"
 #include "ir/shape_inference.h"
+#include "runtime/philox.h"
 #include "runtime/xtensor_io.h"
 
 namespace shardstep::runtime {
@@ -254,21 +256,31 @@ Tensor Reduce(const Instr& in, const Tensor& a) {
 
 // ---- Matmul and convolution: products summed in double, in index order ----
 
-// A matmul operand as a double matrix, transposed if asked.
-Matrix MatrixOf(const Tensor& t, bool transpose) {
-  const std::array<std::size_t, 2> shape{std::size_t(t.shape()[0]), std::size_t(t.shape()[1])};
-  const Matrix m = xt::cast<double>(xt::adapt(t.f32.data(), shape));
+// Matrix `batch` of a matmul operand (its last two dimensions) as doubles, transposed if asked.
+Matrix MatrixOf(const Tensor& t, Index batch, bool transpose) {
+  const ir::Shape& s = t.shape();
+  const std::size_t r = s.size(), rows = s[r - 2], cols = s[r - 1];
+  const std::array<std::size_t, 2> shape{rows, cols};
+  const Matrix m = xt::cast<double>(xt::adapt(t.f32.data() + batch * rows * cols, shape));
   return transpose ? Matrix(xt::transpose(m)) : m;
 }
 
-// out[i,j] = sum over l of a[i,l] * b[l,j].
+// out[..., i, j] = sum over l of a[..., i, l] * b[..., l, j], one product per batch element.
 Tensor Matmul(const Instr& in, const Tensor& a, const Tensor& b) {
-  const Matrix x = MatrixOf(a, in.GetInt("transpose_a", 0) != 0), y = MatrixOf(b, in.GetInt("transpose_b", 0) != 0);
-  Matrix acc = xt::zeros<double>({x.shape(0), y.shape(1)});
-  for (std::size_t i = 0; i < x.shape(0); ++i)
-    for (std::size_t l = 0; l < x.shape(1); ++l)
-      for (std::size_t j = 0; j < y.shape(1); ++j) acc(i, j) += x(i, l) * y(l, j);
-  return F32(in, xt::cast<float>(acc));
+  const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
+  const ir::Shape& s = in.type.shape;
+  const std::size_t m = s[s.size() - 2], n = s[s.size() - 1];
+  const Index batches = in.type.elements() / std::max<Index>(1, Index(m * n));
+  Tensor out(in.type);
+  for (Index bt = 0; bt < (m * n != 0 ? batches : 0); ++bt) {
+    const Matrix x = MatrixOf(a, bt, ta), y = MatrixOf(b, bt, tb);
+    Matrix acc = xt::zeros<double>({x.shape(0), y.shape(1)});
+    for (std::size_t i = 0; i < x.shape(0); ++i)
+      for (std::size_t l = 0; l < x.shape(1); ++l)
+        for (std::size_t j = 0; j < y.shape(1); ++j) acc(i, j) += x(i, l) * y(l, j);
+    std::copy(acc.begin(), acc.end(), out.f32.begin() + bt * Index(m * n));  // each rounded once to f32
+  }
+  return out;
 }
 
 struct Conv {
@@ -346,15 +358,16 @@ Tensor Conv2dFilterGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
   return F32(in, xt::cast<float>(dw));
 }
 
-// ---- Pooling (no padding) ----
+// ---- Pooling (max_pool may pad; padded cells never win) ----
 
 struct Window {
-  Index kh, kw, sh, sw, oh, ow;
+  Index kh, kw, sh, sw, oh, ow, pad;
   Window(const ir::Shape& x, const Instr& in) {
     const IntList& k = in.GetInts("window");
     const IntList s = in.Has("stride") ? in.GetInts("stride") : k;
     kh = k[0], kw = k[1], sh = s[0], sw = s[1];
-    oh = (x[2] - kh) / sh + 1, ow = (x[3] - kw) / sw + 1;
+    pad = in.op == OpCode::kAvgPool || in.op == OpCode::kAvgPoolGrad ? 0 : in.GetInt("padding", 0);
+    oh = (x[2] + 2 * pad - kh) / sh + 1, ow = (x[3] + 2 * pad - kw) / sw + 1;
   }
   // Tap (a, b) of every window: element (a, b) of each, as an [N, C, oh, ow] strided view of x.
   template <class E>
@@ -364,37 +377,53 @@ struct Window {
   }
 };
 
-// Each window's first maximum (a NaN counts as a maximum) and its tap a * kw + b.
+// Each window's first maximum among its real (unpadded) cells (a NaN counts as a maximum) and its
+// tap a * kw + b, over x zero-padded by g.pad with a mask of its real cells.
 struct WindowMax {
   xt::xarray<float> value;
   xt::xarray<Index> tap;
 };
 
+xt::xarray<float> PaddedBy(const xt::xarray<float>& x, Index pad) {
+  if (pad == 0) return x;
+  const auto& s = x.shape();
+  xt::xarray<float> out = xt::zeros<float>({s[0], s[1], s[2] + 2 * pad, s[3] + 2 * pad});
+  PadInto(out, x, {0, 0, pad, pad});
+  return out;
+}
+
 WindowMax MaxOfWindows(const Tensor& x, const Window& g) {
-  const auto xv = View<float>(x);
-  WindowMax m{g.Tap(xv, 0, 0), xt::zeros<Index>(XShape({x.shape()[0], x.shape()[1], g.oh, g.ow}))};
-  auto takes = xt::vectorize([](float c, float best) -> bool { return c > best || (c != c && best == best); });
+  const xt::xarray<float> xp = PaddedBy(View<float>(x), g.pad);
+  const xt::xarray<float> real = PaddedBy(xt::ones<float>(XShape(x.shape())), g.pad);
+  WindowMax m{g.Tap(xp, 0, 0), xt::zeros<Index>(XShape({x.shape()[0], x.shape()[1], g.oh, g.ow}))};
+  xt::xarray<bool> have = xt::not_equal(g.Tap(real, 0, 0), 0.0f);  // a real candidate seen
+  auto takes = xt::vectorize([](float c, bool is_real, float best, bool seen) -> bool {
+    return is_real && (!seen || c > best || (c != c && best == best));
+  });
   for (Index a = 0; a < g.kh; ++a)
     for (Index b = a == 0 ? 1 : 0; b < g.kw; ++b) {
-      const xt::xarray<float> c = g.Tap(xv, a, b);
-      const xt::xarray<bool> take = takes(c, m.value);
+      const xt::xarray<float> c = g.Tap(xp, a, b);
+      const xt::xarray<bool> r = xt::not_equal(g.Tap(real, a, b), 0.0f);
+      const xt::xarray<bool> take = takes(c, r, m.value, have);
       m.value = xt::where(take, c, m.value);
       m.tap = xt::where(take, a * g.kw + b, m.tap);
+      have = have || r;
     }
   return m;
 }
 
 Tensor MaxPool(const Instr& in, const Tensor& x) { return F32(in, MaxOfWindows(x, Window(x.shape(), in)).value); }
 
-// dy goes to each window's first maximum.
+// dy goes to each window's first maximum (accumulated on the padded grid, whose padding gets none).
 Tensor MaxPoolGrad(const Instr& in, const Tensor& x, const Tensor& dy) {
   const Window g(x.shape(), in);
   const WindowMax m = MaxOfWindows(x, g);
-  Tensor dx(in.type);
-  auto dxv = View<float>(dx);
+  const ir::Shape& s = x.shape();
+  xt::xarray<float> dxp = xt::zeros<float>({s[0], s[1], s[2] + 2 * g.pad, s[3] + 2 * g.pad});
   for (Index a = 0; a < g.kh; ++a)
-    for (Index b = 0; b < g.kw; ++b) xt::noalias(g.Tap(dxv, a, b)) += xt::where(xt::equal(m.tap, a * g.kw + b), View<float>(dy), 0.0f);
-  return dx;
+    for (Index b = 0; b < g.kw; ++b)
+      xt::noalias(g.Tap(dxp, a, b)) += xt::where(xt::equal(m.tap, a * g.kw + b), View<float>(dy), 0.0f);
+  return F32(in, xt::view(dxp, xt::all(), xt::all(), xt::range(g.pad, g.pad + s[2]), xt::range(g.pad, g.pad + s[3])));
 }
 
 Tensor AvgPool(const Instr& in, const Tensor& x) {
@@ -413,6 +442,37 @@ Tensor AvgPoolGrad(const Instr& in, const Tensor& dy) {
   for (Index a = 0; a < g.kh; ++a)
     for (Index b = 0; b < g.kw; ++b) xt::noalias(g.Tap(dx, a, b)) += share;
   return F32(in, xt::cast<float>(dx));
+}
+
+// ---- Index and random tensors ----
+
+// Each element's index along `dimension`.
+Tensor Iota(const Instr& in) {
+  const ir::Shape& s = in.type.shape;
+  const int64_t d = in.GetInt("dimension");
+  Index inner = 1;
+  for (size_t i = d + 1; i < s.size(); ++i) inner *= s[i];
+  return Typed(in.type.dtype, [&](auto t) {
+    using T = decltype(t);
+    Tensor out(in.type);
+    T* o = View<T>(out).data();
+    for (Index i = 0; i < out.elements(); ++i) o[i] = static_cast<T>((i / inner) % s[d]);
+    return out;
+  });
+}
+
+// Element (i, rest...) = PhiloxUniform(seed, flat index of rest, first_example + i, step).
+Tensor RandomUniform(const Instr& in, const Tensor& step, const Tensor& first_example) {
+  const uint64_t seed = static_cast<uint64_t>(in.GetInt("seed"));
+  const ir::Shape& s = in.type.shape;
+  Index per_example = 1;  // elements of one example: the product of dimensions 1...
+  for (size_t d = 1; d < s.size(); ++d) per_example *= s[d];
+  Tensor out(in.type);
+  for (Index i = 0; i < out.elements(); ++i) {
+    const uint32_t e = static_cast<uint32_t>(first_example.s32[0]) + static_cast<uint32_t>(i / per_example);
+    out.f32[i] = PhiloxUniform(seed, static_cast<uint32_t>(i % per_example), e, static_cast<uint32_t>(step.s32[0]));
+  }
+  return out;
 }
 
 // ---- Labels and embeddings ----
@@ -564,6 +624,7 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kInput: return Lookup(ctx.inputs, "input", in);
     case OpCode::kConstant: return Splat(in);
     case OpCode::kReplicaId: return Tensor::S32({}, {ctx.replica});
+    case OpCode::kIota: return Iota(in);
 
     case OpCode::kNeg: return MapAny(in, [](auto a) { return NegOf(a); }, *x[0]);
     case OpCode::kExp: return F32(in, xt::exp(f(0)));
@@ -612,6 +673,8 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kMaxPoolGrad: return MaxPoolGrad(in, *F32Only(x)[0], *x[1]);
     case OpCode::kAvgPool: return AvgPool(in, *F32Only(x)[0]);
     case OpCode::kAvgPoolGrad: return AvgPoolGrad(in, *F32Only(x)[0]);
+
+    case OpCode::kRandomUniform: return RandomUniform(in, *x[0], *x[1]);
 
     case OpCode::kOneHot: return OneHot(in, *x[0]);
     case OpCode::kGather: return Gather(in, *x[0], *x[1]);

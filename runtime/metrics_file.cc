@@ -41,8 +41,13 @@ bool KeepMetricsUpTo(const std::string& path, int64_t step, TrainingCurves* curv
         auto v = j.find(key);
         return v != j.end() && v->is_number() ? v->get<double>() : std::numeric_limits<double>::quiet_NaN();
       };
-      if (j.contains("split"))
-        curves->evals.push_back({i + 1, num("accuracy"), num("loss")});
+      if (j.contains("split")) {
+        // The task's metric: whichever of the metric keys the line has.
+        double metric = num("accuracy");
+        for (const char* key : {"bits_per_char", "masked_accuracy"})
+          if (j.contains(key)) metric = num(key);
+        curves->evals.push_back({i + 1, metric, num("loss")});
+      }
       else {
         curves->loss[i] = num("loss");
         curves->step_ms[i] = num("step_ms");

@@ -118,7 +118,7 @@ std::string TrainingPlotSvg(const TrainingCurves& c, const std::string& title) {
   Frame(os, p1, "loss", "loss");
   Line(os, p1, loss, "#1f77b4", "training loss", 0);
   if (!test_loss.empty()) {
-    Line(os, p1, test_loss, "#d62728", "test loss (accuracy)", 1);
+    Line(os, p1, test_loss, "#d62728", "test loss (" + c.metric + ")", 1);
     for (const EvalPoint& e : c.evals) {
       os << "<circle cx='" << Fmt(p1.X(e.step)) << "' cy='" << Fmt(p1.Y(e.loss)) << "' r='3.5' fill='#d62728'/>\n";
       os << "<text x='" << Fmt(p1.X(e.step) - 4) << "' y='" << Fmt(p1.Y(e.loss) - 8)

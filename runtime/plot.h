@@ -11,7 +11,7 @@ namespace shardstep::runtime {
 
 struct EvalPoint {
   int64_t step = 0;
-  double accuracy = 0, loss = 0;
+  double accuracy = 0, loss = 0;  // accuracy: the task's metric (TrainingCurves::metric)
 };
 
 struct TrainingCurves {
@@ -19,6 +19,7 @@ struct TrainingCurves {
   std::vector<double> step_ms;  // per step, wall time
   std::vector<double> comm_ms;  // per step, the part spent in collectives
   std::vector<EvalPoint> evals;
+  std::string metric = "accuracy";  // what EvalPoint::accuracy holds: "accuracy", "bits_per_char", ...
 };
 
 // The SVG text: two panels sharing the step axis; long runs are averaged into at most ~600 points.

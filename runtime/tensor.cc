@@ -15,7 +15,10 @@ Tensor::Tensor(ir::TensorType t) : type(std::move(t)) {
 Tensor Tensor::F32(ir::Shape shape, std::vector<float> data) {
   Tensor t;
   t.type = {ir::DType::kF32, std::move(shape)};
-  SS_CHECK(static_cast<int64_t>(data.size()) == t.elements(), "F32 data size");
+  // A user's mistake (the shape and the data disagree), so an error, not an abort.
+  if (static_cast<int64_t>(data.size()) != t.elements())
+    throw Error(Str("Tensor::F32: ", data.size(), " values for shape ", ir::ShapeToString(t.shape()), " (",
+                    t.elements(), " elements)"));
   t.f32 = std::move(data);
   return t;
 }
@@ -23,7 +26,9 @@ Tensor Tensor::F32(ir::Shape shape, std::vector<float> data) {
 Tensor Tensor::S32(ir::Shape shape, std::vector<int32_t> data) {
   Tensor t;
   t.type = {ir::DType::kS32, std::move(shape)};
-  SS_CHECK(static_cast<int64_t>(data.size()) == t.elements(), "S32 data size");
+  if (static_cast<int64_t>(data.size()) != t.elements())
+    throw Error(Str("Tensor::S32: ", data.size(), " values for shape ", ir::ShapeToString(t.shape()), " (",
+                    t.elements(), " elements)"));
   t.s32 = std::move(data);
   return t;
 }

@@ -17,6 +17,7 @@ struct Tensor {
   Tensor() = default;
   explicit Tensor(ir::TensorType t);  // zero-filled
 
+  // Throw shardstep::Error when `data` does not hold exactly the shape's element count.
   static Tensor F32(ir::Shape shape, std::vector<float> data);
   static Tensor S32(ir::Shape shape, std::vector<int32_t> data);
   static Tensor Scalar(float v) { return F32({}, {v}); }

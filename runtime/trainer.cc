@@ -16,6 +16,7 @@
 #include "ir/printer.h"
 #include "runtime/checkpoint.h"
 #include "runtime/checkpoint_dir.h"
+#include "runtime/image_data.h"
 #include "runtime/metrics_file.h"
 
 namespace shardstep::runtime {
@@ -101,30 +102,113 @@ int64_t CountCorrect(const Tensor& logits, const Tensor& labels) {
   return correct;
 }
 
-void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, int64_t eval_batch,
-              const ir::Shape& example_shape, double* accuracy, double* loss) {
-  BatchIterator it(data, eval_batch, /*shuffle=*/false, 0, example_shape);
-  const int64_t batches = it.batches_per_epoch();
-  if (batches == 0) throw Error(Str("evaluation batch ", eval_batch, " is larger than the split (", data.size(), ")"));
-  // Every example counts once: a remainder would be silently left out (the forward module's batch is fixed).
-  if (data.size() % eval_batch != 0)
-    throw Error(Str("evaluation batch ", eval_batch, " does not divide the split (", data.size(), " examples): the last ",
-                    data.size() % eval_batch, " would not be evaluated"));
-  int64_t correct = 0;
+const char* MetricKey(models::Task task) {
+  if (task == kClassificationTask) return "accuracy";
+  if (task == kLanguageModelTask) return "bits_per_char";
+  if (task == kMaskedLmTask) return "masked_accuracy";
+  throw Error(Str("unknown task ", static_cast<int>(task)));
+}
+
+namespace {
+
+const Tensor& InputOf(const TensorMap& inputs, const char* name, models::Task task) {
+  auto it = inputs.find(name);
+  if (it == inputs.end()) throw Error(Str("evaluation: the ", MetricKey(task), " metric needs input \"", name, "\""));
+  return it->second;
+}
+
+int64_t ArgMax(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t j = 1; j < n; ++j)
+    if (row[j] > row[best]) best = j;
+  return best;
+}
+
+}  // namespace
+
+void MetricSum::Add(models::Task task, const Tensor& logits, const TensorMap& inputs) {
+  const ir::Shape& ls = logits.shape();
+  if (task == kClassificationTask) {
+    const Tensor& labels = InputOf(inputs, "label", task);
+    if (ls.size() != 2 || labels.shape() != ir::Shape{ls[0]})
+      throw Error(Str("evaluation: logits ", logits.type.ToString(), " do not match labels ", labels.type.ToString()));
+    sum += CountCorrect(logits, labels);
+    count += ls[0];
+    return;
+  }
+  const Tensor& targets = InputOf(inputs, "targets", task);
+  if (ls.size() != 3 || targets.shape() != ir::Shape{ls[0], ls[1]})
+    throw Error(Str("evaluation: logits ", logits.type.ToString(), " do not match targets ", targets.type.ToString(),
+                    " (expected [B, T, vocab] and [B, T])"));
+  const int64_t positions = ls[0] * ls[1], v = ls[2];
+  auto check_target = [&](int32_t t) {
+    if (t < 0 || t >= v) throw Error(Str("evaluation: target ", t, " outside the vocabulary [0, ", v, ")"));
+  };
+  if (task == kLanguageModelTask) {
+    for (int64_t p = 0; p < positions; ++p) {
+      const float* row = logits.f32.data() + p * v;
+      const int32_t t = targets.s32[p];
+      check_target(t);
+      const double m = row[ArgMax(row, v)];
+      double z = 0;
+      for (int64_t j = 0; j < v; ++j) z += std::exp(static_cast<double>(row[j]) - m);
+      sum += (m + std::log(z) - row[t]) / std::log(2.0);  // -log2 softmax(row)[t]
+    }
+    count += positions;
+    return;
+  }
+  const Tensor& weights = InputOf(inputs, "mask_weights", task);
+  if (weights.shape() != targets.shape())
+    throw Error(Str("evaluation: mask_weights ", weights.type.ToString(), " do not match targets ", targets.type.ToString()));
+  for (int64_t p = 0; p < positions; ++p) {
+    if (!(weights.f32[p] > 0)) continue;
+    check_target(targets.s32[p]);
+    sum += ArgMax(logits.f32.data() + p * v, v) == targets.s32[p];
+    ++count;
+  }
+}
+
+EvalResult EvaluateSet(Executor& exec, const ir::Module& forward, const EvalSet& set, models::Task task) {
+  const int64_t batches = set.num_batches();
+  if (batches == 0) throw Error(Str("evaluation: ", set.Describe(), " has no batch"));
+  MetricSum metric;
   double loss_sum = 0;
+  TensorMap in;
   for (int64_t i = 0; i < batches; ++i) {
-    TensorMap in;
-    it.Next(&in["image"], &in["label"]);
+    set.Batch(i, &in);
     TensorMap out = exec.Forward(forward, in);
-    correct += CountCorrect(out.at("logits"), in.at("label"));
+    auto logits = out.find("logits");
+    if (logits == out.end()) throw Error("evaluation: the forward program has no \"logits\" output");
+    metric.Add(task, logits->second, in);
     loss_sum += out.at("loss").f32[0];
   }
-  *accuracy = static_cast<double>(correct) / (batches * eval_batch);
-  *loss = loss_sum / batches;
+  return {metric.value(), loss_sum / batches};
+}
+
+namespace {
+// A Dataset the caller owns, shared without a copy (the deleter does nothing).
+std::shared_ptr<const Dataset> Borrow(const Dataset& d) { return std::shared_ptr<const Dataset>(&d, [](const Dataset*) {}); }
+}  // namespace
+
+void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, int64_t eval_batch,
+              const ir::Shape& example_shape, double* accuracy, double* loss) {
+  ImageEvalSet set(Borrow(data), eval_batch, example_shape, "test");
+  EvalResult r = EvaluateSet(exec, forward, set, kClassificationTask);
+  *accuracy = r.metric;
+  *loss = r.loss;
 }
 
 TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset& train, const Dataset* test,
                   const TrainOptions& o, std::ostream& log) {
+  ImageBatchSource source(Borrow(train), o.batch, o.shuffle, o.seed, o.example_shape, "train");
+  std::unique_ptr<ImageEvalSet> eval;
+  if (test) eval = std::make_unique<ImageEvalSet>(Borrow(*test), o.eval_batch, o.example_shape, "test");
+  return Train(exec, forward_eval, source, eval.get(), kClassificationTask, o, log);
+}
+
+TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& train_source, const EvalSet* test,
+                  models::Task task, const TrainOptions& o, std::ostream& log) {
+  const std::string metric_key = MetricKey(task);
   std::ofstream metrics;
   // Resuming: the curves of steps 1..start_step, from the metrics file when there is one (else NaN: blank).
   TrainingCurves resumed_curves;
@@ -150,28 +234,40 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
   }
   TrainResult result;
   result.curves = std::move(resumed_curves);
-  BatchIterator it(train, o.batch, o.shuffle, o.seed, o.example_shape);
-  if (o.start_step > 0) it.Seek(o.data_epoch, o.data_position);
+  result.curves.metric = metric_key;
+  if (o.start_step > 0) train_source.Seek(o.data_epoch, o.data_position);
+  std::unique_ptr<PrefetchingSource> prefetching;
+  if (o.prefetch) prefetching = std::make_unique<PrefetchingSource>(train_source);
+  BatchSource& it = o.prefetch ? static_cast<BatchSource&>(*prefetching) : train_source;
+  TensorMap saved_batches;
   result.skipped_steps = o.start_skipped_steps;
   auto eval = [&](int64_t step) {
     if (!test) return;
     auto t0 = Clock::now();
-    Evaluate(exec, forward_eval, *test, o.eval_batch, o.example_shape, &result.test_accuracy, &result.test_loss);
-    result.curves.evals.push_back({step, result.test_accuracy, result.test_loss});
-    log << "eval  step " << step << "  test accuracy " << std::fixed << std::setprecision(4) << result.test_accuracy
-        << "  test loss " << result.test_loss << "  (" << Duration(Seconds(t0, Clock::now())) << ")\n"
+    const EvalResult r = EvaluateSet(exec, forward_eval, *test, task);
+    result.test_metric = r.metric;
+    result.test_loss = r.loss;
+    if (task == kClassificationTask) result.test_accuracy = r.metric;
+    result.curves.evals.push_back({step, r.metric, r.loss});
+    log << "eval  step " << step << "  test " << (task == kClassificationTask ? "accuracy" : metric_key.c_str())
+        << " " << std::fixed << std::setprecision(4) << r.metric << "  test loss " << r.loss << "  ("
+        << Duration(Seconds(t0, Clock::now())) << ")\n"
         << std::defaultfloat << std::flush;
     if (metrics)
-      metrics << "{\"split\":\"test\",\"step\":" << step << ",\"accuracy\":" << Num(result.test_accuracy)
-              << ",\"loss\":" << Num(result.test_loss) << "}\n" << std::flush;
+      metrics << "{\"split\":\"test\",\"step\":" << step << ",\"" << metric_key << "\":" << Num(r.metric)
+              << ",\"loss\":" << Num(r.loss) << "}\n" << std::flush;
   };
 
   const auto start = Clock::now();
   auto window_start = start;
   int64_t window_steps = 0;
+  TensorMap in;  // reused: the prefetcher swaps its buffers with these
   for (int64_t step = o.start_step + 1; step <= o.steps; ++step) {
-    TensorMap in;
-    it.Next(&in["image"], &in["label"]);
+    const auto d0 = Clock::now();
+    it.Next(&in);  // with prefetching: waits only for what the previous step did not hide
+    const double data_ms = Seconds(d0, Clock::now()) * 1e3;
+    if (!o.save_batches.empty())
+      for (const auto& [name, t] : in) saved_batches[Str("step", step - 1, "/", name)] = t;
     const double comm0 = exec.CommunicationSeconds();
     auto t0 = Clock::now();
     TensorMap out = exec.Step(in);
@@ -196,7 +292,7 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
     ++window_steps;
     if (metrics)
       metrics << "{\"step\":" << step << ",\"loss\":" << Num(loss) << ",\"step_ms\":" << Num(Seconds(t0, t1) * 1e3)
-              << ",\"comm_ms\":" << Num(comm_ms) << ",\"epoch\":" << it.epoch()
+              << ",\"comm_ms\":" << Num(comm_ms) << ",\"data_ms\":" << Num(data_ms) << ",\"epoch\":" << it.epoch()
               << (skipped ? ",\"skipped\":true" : "")
               << (guarded ? Str(",\"skipped_steps\":", result.skipped_steps) : std::string()) << "}\n";
     if (step % o.log_every == 0 || step == o.steps) {
@@ -227,10 +323,16 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
     }
   }
   result.examples_per_second = (o.steps - o.start_step) * o.batch / Seconds(start, Clock::now());
+  result.data_epoch = it.epoch();
+  result.data_position = it.position();
   eval(o.steps);
   if (!o.plot_out.empty()) {
     WriteTrainingPlot(o.plot_out, result.curves, o.plot_title);
     log << "wrote plot " << o.plot_out << "\n";
+  }
+  if (!o.save_batches.empty()) {
+    SaveCheckpoint(o.save_batches, saved_batches);
+    log << "wrote the batches of steps " << o.start_step + 1 << ".." << o.steps << " to " << o.save_batches << "\n";
   }
   if (!o.save.empty()) {
     RemoveStaleTemporaryFiles(o.save, log);

@@ -1,5 +1,6 @@
-// The training loop: batches in, steps run, progress on the terminal, metrics as JSON Lines,
-// evaluation on the test split, checkpoints.
+// The training loop, for every task (models::Task): batches from a BatchSource in (prepared on another
+// thread while the step runs), steps run, progress on the terminal, metrics as JSON Lines, evaluation of
+// the task's metric on an EvalSet, checkpoints.
 #pragma once
 
 #include <cstdint>
@@ -9,21 +10,37 @@
 #include <vector>
 
 #include "ir/module.h"
+#include "runtime/batch_source.h"
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
 #include "runtime/plot.h"
 
+// models::Task (models/models.h), declared here: the runtime neither includes nor links the DSL. Its
+// values are 0 classification, 1 language model, 2 masked LM (cli/train_command.cc checks this).
+namespace shardstep::models {
+enum class Task;
+}
+
 namespace shardstep::runtime {
+
+inline constexpr models::Task kClassificationTask = static_cast<models::Task>(0);
+inline constexpr models::Task kLanguageModelTask = static_cast<models::Task>(1);
+inline constexpr models::Task kMaskedLmTask = static_cast<models::Task>(2);
 
 struct TrainOptions {
   int64_t steps = 1000;
   int64_t batch = 64;        // global batch
-  ir::Shape example_shape;   // per-example image shape the model takes
+  ir::Shape example_shape;   // per-example image shape the model takes (the Dataset overload of Train only)
   bool shuffle = true;
   uint64_t seed = 0;
   int64_t log_every = 100;   // progress lines
   int64_t eval_every = 0;    // 0: evaluate once at the end
-  int64_t eval_batch = 1000; // must divide the test set size (Evaluate throws otherwise)
+  int64_t eval_batch = 1000; // must divide the test set size (the Dataset overload of Train only)
+  // Prepare the next batch on another thread while the step runs (the same batches in the same order).
+  bool prefetch = true;
+  // Every step's global inputs into one safetensors file, tensors "step{k}/{input}" (k = step - 1), for
+  // oracles that replay exactly the batches trained on ("" = none).
+  std::string save_batches;
   std::string metrics_out;   // JSON Lines file ("" = none)
   std::string plot_out;      // SVG of the loss curve and step-time breakdown ("" = none)
   std::string plot_title;
@@ -53,15 +70,40 @@ struct TrainOptions {
 
 struct TrainResult {
   std::vector<double> losses;  // per step
-  double test_accuracy = -1;   // last evaluation (-1 when none ran)
+  double test_accuracy = -1;   // last evaluation's accuracy (classification; -1 when none ran)
+  double test_metric = -1;     // last evaluation's task metric (MetricKey(task); -1 when none ran)
   double test_loss = 0;
   double examples_per_second = 0;
   TrainingCurves curves;       // per-step loss, step and communication time; evaluations
   int64_t skipped_steps = 0;   // steps left out for non-finite values (--on-nonfinite skip)
+  // The data order after the last step (what a checkpoint at the end would save; the wrapped source
+  // itself is a batch ahead when prefetching).
+  int64_t data_epoch = 0, data_position = 0;
 };
 
 // Fraction of rows of `logits` [B, C] whose arg-max equals `labels` [B].
 int64_t CountCorrect(const Tensor& logits, const Tensor& labels);
+
+// The metric of a task, as the metrics file keys it: "accuracy", "bits_per_char", "masked_accuracy".
+const char* MetricKey(models::Task task);
+
+// The task's metric accumulated over batches from the forward program's "logits" and the inputs:
+// classification: argmax == label per example; language model: -log2 softmax(logits)[target] per
+// position; masked LM: argmax == target per position with mask_weights > 0. value() is the mean over
+// what was counted.
+struct MetricSum {
+  double sum = 0;
+  int64_t count = 0;
+  void Add(models::Task task, const Tensor& logits, const TensorMap& inputs);
+  double value() const { return count ? sum / count : 0; }
+};
+
+struct EvalResult {
+  double metric = 0;  // MetricSum::value() over the whole set
+  double loss = 0;    // mean of the batches' "loss"
+};
+// Runs `forward` (outputs "loss" and "logits", batch = the set's batch) over every batch of `set`.
+EvalResult EvaluateSet(Executor& exec, const ir::Module& forward, const EvalSet& set, models::Task task);
 
 // Evaluates `forward` (outputs "loss" and "logits", batch = eval batch) over the whole split; throws
 // shardstep::Error when `eval_batch` does not divide the split (no example is left out silently).
@@ -75,7 +117,13 @@ void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, in
 // holds a NaN or inf. The rare path only: it reads the whole state.
 std::string DescribeNonfiniteStep(int64_t step, const TensorMap& inputs, const TensorMap& outputs, const TensorMap& state);
 
-// Runs `options.steps` steps. `test` may be null (no evaluation). Progress goes to `log`.
+// Runs `options.steps` steps on batches of `train` (which a resume Seeks to (data_epoch,
+// data_position)). `eval` may be null (no evaluation). Progress goes to `log`.
+TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& train, const EvalSet* eval,
+                  models::Task task, const TrainOptions& options, std::ostream& log);
+
+// Classification on in-memory datasets (options.batch, example_shape, shuffle, seed, eval_batch say how
+// they are batched). `test` may be null (no evaluation).
 TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset& train, const Dataset* test,
                   const TrainOptions& options, std::ostream& log);
 

@@ -59,9 +59,11 @@ bool Autodiff::Run(Module& module) {
   std::vector<char> active(n, 0);
   for (ValueId v = 0; v < n; ++v) {
     active[v] = from_weight[v] && to_loss[v];
-    if (active[v] && HasProperty(module.at(v).op, kCollective))
+    // all_reduce may appear in the forward pass (cross-replica statistics) and has a rule; the
+    // other collectives are inserted after autodiff.
+    if (active[v] && HasProperty(module.at(v).op, kCollective) && module.at(v).op != OpCode::kAllReduce)
       throw Error(Str("autodiff: ", OpName(module.at(v).op), " (%", v, ") lies between a weight and loss '", loss_,
-                      "'; collectives are inserted after autodiff and have no gradient rule"));
+                      "'; it is inserted after autodiff and has no gradient rule"));
   }
 
   // 3. Reverse sweep.
@@ -87,6 +89,11 @@ bool Autodiff::Run(Module& module) {
   for (ValueId w : weights) {
     ValueId g = grad[w];
     if (g == kNoValue) g = b.Constant(0.0, module.type(w));
+    // A weight read only by a forward all_reduce gets all_reduce(dz) as its gradient, which
+    // DataParallelLowering would take for an already-lowered gradient and skip (wrong when the
+    // forward groups are not its groups). A bitwise copy (convert f32 -> f32) keeps it per-replica.
+    if (module.at(g).op == OpCode::kAllReduce)
+      g = b.Emit(OpCode::kConvert, {g}, {{"dtype", std::string(DTypeName(module.type(g).dtype))}});
     module.gradients.push_back({w, g});
   }
   module.Canonicalize();

@@ -7,6 +7,7 @@
 //   max_pool: max_pool_grad decides (the first maximum of a window, row-major, gets it).
 #include "ir/passes/gradients.h"
 
+#include <cmath>
 #include <numeric>
 
 #include "ir/error.h"
@@ -70,6 +71,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     case OpCode::kInput:
     case OpCode::kConstant:
     case OpCode::kReplicaId:
+    case OpCode::kIota:
       return none;
 
     // z = -x / dx = -dz
@@ -224,7 +226,8 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
       return {b.Select(mask, g, Zero(b, g))};
     }
 
-    // z = op(a) op(b) (op = optional transpose) / da, db: the four transpose combinations below
+    // z = op(a) op(b) (op = optional transpose of the last two dims; leading dims are a batch of
+    //   independent products, so each rule below holds per batch element) / da, db: the four combinations
     case OpCode::kMatmul: {
       const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
       const ValueId a = o[0], c = o[1];
@@ -256,21 +259,37 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     }
     // z = max_pool(x) / dx = max_pool_grad(x, dz)
     case OpCode::kMaxPool:
-      return {b.Emit(OpCode::kMaxPoolGrad, {o[0], dz}, Pick(in, {"window", "stride"}))};
+      return {b.Emit(OpCode::kMaxPoolGrad, {o[0], dz}, Pick(in, {"window", "stride", "padding"}))};
     // z = max_pool_grad(x, g) (routes g to each window's argmax; linear in g)
     //   / dx = none (piecewise constant), dg = dz gathered at each window's argmax (first maximum,
-    //   row-major), built from one strided tap per window offset and a select chain
+    //   row-major), built from one strided tap per window offset and a select chain. With padding,
+    //   x is padded with -inf (dz with 0) first, and a padded cell is never selected: the chain takes
+    //   a tap only where x equals the window maximum and the tap is a real cell.
     case OpCode::kMaxPoolGrad: {
       const IntList k = in.GetInts("window"), s = in.GetInts("stride", k);
+      const int64_t p = in.GetInt("padding", 0);
       const Shape g = b.shape(o[1]);
       const int64_t oh = g[2], ow = g[3];
-      ValueId m = b.Emit(OpCode::kMaxPool, {o[0]}, Pick(in, {"window", "stride"}));
+      ValueId x = o[0], d = dz, real = kNoValue;
+      if (p > 0) {
+        const IntList lo{0, 0, p, p};
+        real = b.Pad(b.ScalarLike(1.0, x), lo, lo);  // 1 on real cells, 0 on padding
+        ValueId padded = b.Pad(x, lo, lo);
+        x = b.Select(real, padded, b.ScalarLike(-INFINITY, padded));
+        d = b.Pad(dz, lo, lo);
+      }
+      ValueId m = b.Emit(OpCode::kMaxPool, {x}, Pick(in, {"window", "stride"}));
       ValueId acc = kNoValue;
       for (int64_t a0 = k[0] - 1; a0 >= 0; --a0) {
         for (int64_t a1 = k[1] - 1; a1 >= 0; --a1) {
-          ValueId tap = WindowTap(b, dz, a0, a1, s, oh, ow);
-          if (acc == kNoValue) acc = tap;  // the last offset: taken when no earlier one is the maximum
-          else acc = b.Select(Cmp(b, OpCode::kEq, WindowTap(b, o[0], a0, a1, s, oh, ow), m), tap, acc);
+          ValueId tap = WindowTap(b, d, a0, a1, s, oh, ow);
+          if (acc == kNoValue) {  // the last offset: taken when no earlier one is the maximum
+            acc = p > 0 ? b.Select(WindowTap(b, real, a0, a1, s, oh, ow), tap, Zero(b, tap)) : tap;
+            continue;
+          }
+          ValueId wins = Cmp(b, OpCode::kEq, WindowTap(b, x, a0, a1, s, oh, ow), m);
+          if (p > 0) wins = b.Mul(wins, WindowTap(b, real, a0, a1, s, oh, ow));
+          acc = b.Select(wins, tap, acc);
         }
       }
       return {kNoValue, acc};
@@ -295,8 +314,20 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     case OpCode::kScatterAdd:
       return {kNoValue, b.Emit(OpCode::kGather, {dz, o[0]})};
 
-    // Collectives are inserted after autodiff; Autodiff rejects them on a differentiable path.
-    case OpCode::kAllReduce:
+    // z = random_uniform(step, first_example) / none (integer operands)
+    case OpCode::kRandomUniform:
+      return none;
+
+    // z = all_reduce(x){reduction, groups} (sum or mean) / dx = all_reduce(dz) with the same reduction
+    //   and groups: every replica's z depends on every x of its group with weight 1 (sum) or 1/n (mean),
+    //   so each x gets the sum (mean) of its group's cotangents. max has no rule (Autodiff refuses it).
+    case OpCode::kAllReduce: {
+      const std::string r = in.GetString("reduction", "sum");
+      if (r != "sum" && r != "mean")
+        throw Error(Str("autodiff: all_reduce {reduction=\"", r, "\"} (%", instr, ") has no gradient rule"));
+      return {b.Emit(OpCode::kAllReduce, {dz}, Pick(in, {"reduction", "groups", "group_size"}))};
+    }
+    // reduce_scatter / all_gather are inserted after autodiff; Autodiff rejects them on a differentiable path.
     case OpCode::kReduceScatter:
     case OpCode::kAllGather:
       return none;

@@ -1,8 +1,8 @@
 // OptimizerLowering: the optimizer update as IR.
 //
 // Algorithm:
-//  1. Add the step counter @step (s32, 0-based) and compute t = step as f32, the schedule's
-//     learning-rate factor at t, and lr = base_lr * factor.
+//  1. Add the step counter @step (s32, 0-based; reused when the model made it for dropout) and
+//     compute t = step as f32, the schedule's learning-rate factor at t, and lr = base_lr * factor.
 //  2. Optionally clip: scale every gradient by min(1, max_norm / (global_norm + 1e-6)).
 //  3. For each weight (in module order): create its state variables "<weight>/<slot>" (role
 //     optimizer_state, zero-initialised) and emit the update in the order PyTorch 1.13 computes it,
@@ -99,13 +99,18 @@ std::string OptimizerConfig::ToString() const {
 
 bool OptimizerLowering::Run(Module& m) {
   if (m.gradients.empty()) throw Error("optimizer-lowering: the module has no gradients (run autodiff first)");
-  if (m.FindVariable("step") != kNoValue) return false;  // already lowered
+  // Already lowered when @step is assigned (an unassigned @step comes from the model: dropout reads it).
+  if (ValueId st = m.FindVariable("step"); st != kNoValue && m.AssignedValue(st) != kNoValue) return false;
   const OptimizerConfig& c = c_;
   Builder b(&m);
   Scalars s{b};
 
   // 1. Step counter and learning rate.
-  ValueId step = b.Variable("step", {DType::kS32, {}}, kRoleStep, {{"init", std::string("zeros")}});
+  ValueId step = m.FindVariable("step");
+  if (step == kNoValue) step = b.Variable("step", {DType::kS32, {}}, kRoleStep, {{"init", std::string("zeros")}});
+  else if (m.type(step) != TensorType{DType::kS32, {}} || m.at(step).GetString("role", "") != kRoleStep)
+    throw Error(Str("optimizer-lowering: @step is ", m.type(step).ToString(), " role '",
+                    m.at(step).GetString("role", ""), "'; the step counter must be an s32[] with role step"));
   ValueId t = b.Convert(step, DType::kF32);
   ValueId one = s.c(1.0);
   ValueId warm = c.warmup_steps_ > 0 ? s.min(one, s.div(s.add(t, one), s.c(static_cast<double>(c.warmup_steps_)))) : one;
@@ -167,7 +172,11 @@ bool OptimizerLowering::Run(Module& m) {
     auto S = [&](ValueId scalar) { return b.BroadcastTo(scalar, w); };
     auto C = [&](double v) { return b.ScalarLike(v, w); };
     auto norm = [&](ValueId x) { return b.Unary(OpCode::kSqrt, b.SumAll(b.Mul(x, x))); };
-    auto with_decay = [&](ValueId grad) { return c.weight_decay_ != 0 ? b.Add(grad, b.Mul(C(c.weight_decay_), w)) : grad; };
+    // Per-weight attrs (biases, norm parameters): weight_decay=0 drops the decay, layer_adaptation=0
+    // fixes the LARS/LAMB trust ratio at 1, as the torch/MLPerf recipes exclude them.
+    const double wd = m.at(w).GetInt("weight_decay", 1) != 0 ? c.weight_decay_ : 0.0;
+    const bool adapt = m.at(w).GetInt("layer_adaptation", 1) != 0;
+    auto with_decay = [&](ValueId grad) { return wd != 0 ? b.Add(grad, b.Mul(C(wd), w)) : grad; };
     ValueId new_w = kNoValue;
     switch (c.kind_) {
       case OptimizerKind::kSgd:
@@ -186,8 +195,11 @@ bool OptimizerLowering::Run(Module& m) {
       case OptimizerKind::kAdamW: {
         ValueId mm = slot("m"), vv = slot("v");
         ValueId base = w, d = g;
-        if (c.kind_ == OptimizerKind::kAdamW) base = b.Mul(w, S(s.sub(one, s.mul(lr, s.c(c.weight_decay_)))));
-        else d = with_decay(g);
+        if (c.kind_ == OptimizerKind::kAdamW) {
+          if (wd != 0) base = b.Mul(w, S(s.sub(one, s.mul(lr, s.c(wd)))));
+        } else {
+          d = with_decay(g);
+        }
         ValueId nm = b.Add(b.Mul(C(c.beta1_), mm), b.Mul(C(1 - c.beta1_), d));
         ValueId nv = b.Add(b.Mul(C(c.beta2_), vv), b.Mul(C(1 - c.beta2_), b.Mul(d, d)));
         ValueId step_size = s.div(lr, bc1);
@@ -213,10 +225,13 @@ bool OptimizerLowering::Run(Module& m) {
         ValueId nv = b.Add(b.Mul(C(c.beta2_), vv), b.Mul(C(1 - c.beta2_), b.Mul(g, g)));
         ValueId mhat = b.Div(nm, S(bc1)), vhat = b.Div(nv, S(bc2));
         ValueId r = b.Div(mhat, b.Add(b.Unary(OpCode::kSqrt, vhat), C(c.eps_)));
-        if (c.weight_decay_ != 0) r = b.Add(r, b.Mul(C(c.weight_decay_), w));
-        ValueId wn = norm(w), rn = norm(r);
-        ValueId both = s.mul(b.Binary(OpCode::kGt, wn, s.c(0.0)), b.Binary(OpCode::kGt, rn, s.c(0.0)));
-        ValueId trust = b.Select(both, s.div(wn, rn), one);
+        if (wd != 0) r = b.Add(r, b.Mul(C(wd), w));
+        ValueId trust = one;
+        if (adapt) {
+          ValueId wn = norm(w), rn = norm(r);
+          ValueId both = s.mul(b.Binary(OpCode::kGt, wn, s.c(0.0)), b.Binary(OpCode::kGt, rn, s.c(0.0)));
+          trust = b.Select(both, s.div(wn, rn), one);
+        }
         new_w = b.Sub(w, b.Mul(S(s.mul(lr, trust)), r));
         m.assigns.push_back({mm, nm});
         m.assigns.push_back({vv, nv});
@@ -225,9 +240,12 @@ bool OptimizerLowering::Run(Module& m) {
       case OptimizerKind::kLars: {
         // You et al. 2017: local_lr = eta ||w|| / (||g|| + wd ||w||); v = mu v + lr local_lr (g + wd w); w -= v.
         ValueId vel = slot("momentum");
-        ValueId wn = norm(w), gn = norm(g);
-        ValueId both = s.mul(b.Binary(OpCode::kGt, wn, s.c(0.0)), b.Binary(OpCode::kGt, gn, s.c(0.0)));
-        ValueId local = b.Select(both, s.div(s.mul(s.c(c.trust_coefficient_), wn), s.add(gn, s.mul(s.c(c.weight_decay_), wn))), one);
+        ValueId local = one;
+        if (adapt) {
+          ValueId wn = norm(w), gn = norm(g);
+          ValueId both = s.mul(b.Binary(OpCode::kGt, wn, s.c(0.0)), b.Binary(OpCode::kGt, gn, s.c(0.0)));
+          local = b.Select(both, s.div(s.mul(s.c(c.trust_coefficient_), wn), s.add(gn, s.mul(s.c(wd), wn))), one);
+        }
         ValueId nvel = b.Add(b.Mul(C(c.momentum_), vel), b.Mul(S(s.mul(lr, local)), with_decay(g)));
         new_w = b.Sub(w, nvel);
         m.assigns.push_back({vel, nvel});

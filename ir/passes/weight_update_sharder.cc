@@ -263,9 +263,18 @@ bool WeightUpdateSharder::Run(Module& m) {
   // Each gradient all-reduce shards within its own replica groups (contiguous blocks of equal size,
   // the layout ReplicaState and LogicalStateFrom reshard with); the options' group size, when given,
   // must agree with every one of them.
+  // All-reduces in the forward/backward pass (cross-replica batch-norm statistics and their
+  // gradients) feed per-replica values; they are not gradient reductions and may use other groups.
+  std::vector<char> feeds_per_replica(m.size(), 0);
+  {
+    const std::vector<char> per = m.PerReplicaValues();
+    for (ValueId v = m.size() - 1; v >= 0; --v)
+      for (ValueId o : m.at(v).operands)
+        if (per[v] || feeds_per_replica[v]) feeds_per_replica[o] = 1;
+  }
   for (ValueId v = 0; v < m.size(); ++v) {
     const Instr& in = m.at(v);
-    if (in.op != OpCode::kAllReduce || in.type.shape.empty()) continue;
+    if (in.op != OpCode::kAllReduce || in.type.shape.empty() || feeds_per_replica[v]) continue;
     const int64_t ar_group = GroupSize(in, m.num_replicas);
     if (o_.group_size > 0 && ar_group != o_.group_size)
       throw Error(Str(where, "group size ", o_.group_size, " disagrees with %", v, " (all_reduce) over groups ",
@@ -288,8 +297,11 @@ bool WeightUpdateSharder::Run(Module& m) {
   // 2. The update region.
   std::vector<char> region(n, 0);
   std::vector<ValueId> work;
+  // Model state (batch-norm running statistics) is assigned by the forward pass: not part of the
+  // weight update, kept replicated with its assignment as it is.
+  auto is_model_state = [&](ValueId var) { return m.at(var).GetString("role", "") == kRoleModelState; };
   for (auto& [var, val] : m.assigns)
-    if (!per[val]) work.push_back(val);
+    if (!per[val] && !is_model_state(var)) work.push_back(val);
   while (!work.empty()) {
     ValueId v = work.back();
     work.pop_back();
@@ -307,7 +319,8 @@ bool WeightUpdateSharder::Run(Module& m) {
   // all-reduces, which must agree; a chain without one takes the default grouping.
   std::vector<char> grouped(n, 0), assigned_from_region(n, 0);
   for (auto& [var, val] : m.assigns)
-    if (region[val] || (m.at(val).op == OpCode::kVariable && !per[val])) assigned_from_region[var] = 1;
+    if (!is_model_state(var) && (region[val] || (m.at(val).op == OpCode::kVariable && !per[val])))
+      assigned_from_region[var] = 1;
   Chains chains(n);
   for (ValueId v = 0; v < n; ++v) {
     const Instr& in = m.at(v);
@@ -400,7 +413,9 @@ bool WeightUpdateSharder::Run(Module& m) {
     for (auto& [name, out] : m.outputs) only_update &= out != v;
     const bool is_state = row.role == kRoleOptimizerState, is_weight = row.role == kRoleWeight;
     const std::string in_group = rewriters.size() > 1 ? Str(" (groups of ", g, ")") : "";
-    if (var.type.shape.empty()) {
+    if (row.role == kRoleModelState) {
+      row.why = "model state: replicated, assigned by the forward pass on every replica";
+    } else if (var.type.shape.empty()) {
       row.why = "scalar: replicated";
     } else if (assigned == kNoValue || !region[assigned]) {
       row.why = "not updated by the weight update";
@@ -458,7 +473,7 @@ bool WeightUpdateSharder::Run(Module& m) {
   // 5. Assignments. The gradient entries are dropped: the optimizer consumed them, and keeping the
   // whole all-reduced gradient alive would keep the all-reduce the reduce-scatter replaced.
   for (auto& [var, val] : m.assigns) {
-    if (per[val]) continue;
+    if (per[val] || is_model_state(var)) continue;
     Rewriter& rw = rw_of[var] ? *rw_of[var] : rw_at(val);
     val = rw.shard_[var] == var ? rw.Shard(val) : rw.Full(val);
   }

@@ -22,6 +22,7 @@ TEST_CASE("every model's IR round-trips after every pass") {
         models::ModelOptions o;
         o.batch = 8;
         o.hidden = {24, 10};
+        o.vocab = 64;  // language models take it from the data
         m.train(spec.define(m, o));
         ir::Module module = m.lower(replicas);
         ir::PipelineOptions po;

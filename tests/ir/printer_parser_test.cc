@@ -40,6 +40,7 @@ ValueId BuildOp(Builder& b, OpCode op) {
     case OpCode::kInput: return In(b, f23);
     case OpCode::kConstant: return b.Constant(-2.5, f23);
     case OpCode::kReplicaId: return b.ReplicaId();
+    case OpCode::kIota: return b.Iota(S32({4, 3}), 1);
     case OpCode::kNeg:
     case OpCode::kExp:
     case OpCode::kSin:
@@ -78,7 +79,7 @@ ValueId BuildOp(Builder& b, OpCode op) {
     case OpCode::kReduceSum: return b.ReduceSum(In(b, f23), {1});
     case OpCode::kReduceMax: return b.ReduceMax(In(b, f23), {0});
     case OpCode::kReduceMean: return b.ReduceMean(In(b, f23), {0, 1});
-    case OpCode::kMatmul: return b.Matmul(In(b, f23), In(b, F32({4, 3})), false, true);
+    case OpCode::kMatmul: return b.Matmul(In(b, F32({5, 2, 3})), In(b, F32({5, 4, 3})), false, true);
     case OpCode::kConv2d:
       return b.Emit(op, {In(b, image), In(b, filter)}, {{"stride", IntList{1, 1}}, {"padding", IntList{1, 1}}});
     case OpCode::kConv2dInputGrad:
@@ -86,18 +87,19 @@ ValueId BuildOp(Builder& b, OpCode op) {
                     {{"input_shape", IntList{2, 3, 8, 8}}, {"padding", IntList{1, 1}}});
     case OpCode::kConv2dFilterGrad:
       return b.Emit(op, {In(b, image), In(b, F32({2, 4, 6, 6}))}, {{"filter_shape", IntList{4, 3, 3, 3}}});
-    case OpCode::kMaxPool: return b.Emit(op, {In(b, image)}, {{"window", IntList{2, 2}}});
+    case OpCode::kMaxPool: return b.MaxPool(In(b, image), {3, 3}, {2, 2}, 1);
     case OpCode::kMaxPoolGrad:
       return b.Emit(op, {In(b, image), In(b, F32({2, 3, 4, 4}))},
                     {{"window", IntList{2, 2}}, {"stride", IntList{2, 2}}});
     case OpCode::kAvgPool: return b.Emit(op, {In(b, image)}, {{"window", IntList{3, 3}}, {"stride", IntList{1, 1}}});
     case OpCode::kAvgPoolGrad:
       return b.Emit(op, {In(b, F32({2, 3, 4, 4}))}, {{"window", IntList{2, 2}}, {"input_shape", IntList{2, 3, 8, 8}}});
+    case OpCode::kRandomUniform:
+      return b.RandomUniform(In(b, S32({})), In(b, S32({})), {4, 3}, (uint64_t{0xfedcba98} << 32) | 0x76543210u);
     case OpCode::kOneHot: return b.Emit(op, {In(b, S32({4}))}, {{"depth", int64_t{10}}});
     case OpCode::kGather: return b.Emit(op, {In(b, F32({10, 5})), In(b, S32({4}))});
     case OpCode::kScatterAdd: return b.Emit(op, {In(b, S32({4})), In(b, F32({4, 5}))}, {{"rows", int64_t{10}}});
-    case OpCode::kAllReduce:
-      return b.Emit(op, {In(b, f23)}, {{"groups", IntLists{{0, 1}, {2, 3}}}, {"reduction", std::string("mean")}});
+    case OpCode::kAllReduce: return b.AllReduce(In(b, f23), "mean", {{0, 1}, {2, 3}});
     case OpCode::kReduceScatter:
       return b.Emit(op, {In(b, F32({8, 3}))}, {{"groups", IntLists{{0, 2}, {1, 3}}}, {"group_size", int64_t{2}}});
     case OpCode::kAllGather: return b.Emit(op, {In(b, f23)}, {{"group_size", int64_t{4}}});
@@ -303,6 +305,40 @@ module @hand {   // replicas defaults to 1
   CHECK(std::get<double>(m.at(2).attrs.at("extra")) == 1e5);
   CHECK(m.at(3).operands == std::vector<ValueId>{0, 1});
   CHECK(m.FindOutput("y") == 3);
+}
+
+TEST_CASE("the text form of iota, random_uniform, batched matmul, padded max_pool and forward all_reduce") {
+  Module m;
+  m.name = "ops";
+  m.num_replicas = 2;
+  Builder b(&m);
+  ValueId q = b.Input("q", F32({2, 4, 3, 8}));
+  ValueId step = b.Input("step", S32({})), first = b.Input("first", S32({}));
+  ValueId scores = b.Matmul(q, q, false, true);
+  ValueId pos = b.Iota(S32({3, 3}), 1);
+  ValueId u = b.RandomUniform(step, first, {2, 4, 3, 3}, (uint64_t{1} << 40) + 7);
+  ValueId pooled = b.MaxPool(u, {2, 2}, {1, 1}, 1);
+  ValueId total = b.AllReduce(b.SumAll(scores), "mean", {{0}, {1}});
+  m.outputs = {{"pos", pos}, {"pooled", pooled}, {"total", total}};
+  const std::string expected = R"(module @ops replicas=2 {
+  %0 = input @q : f32[2,4,3,8]
+  %1 = input @step : s32[]
+  %2 = input @first : s32[]
+  %3 = matmul(%0, %0) {transpose_a=0, transpose_b=1} : f32[2,4,3,3]
+  %4 = iota {dimension=1} : s32[3,3]
+  %5 = random_uniform(%1, %2) {seed=1099511627783, shape=[2,4,3,3]} : f32[2,4,3,3]
+  %6 = max_pool(%5) {padding=1, stride=[1,1], window=[2,2]} : f32[2,4,4,4]
+  %7 = reduce_sum(%3) {axes=[0,1,2,3]} : f32[]
+  %8 = all_reduce(%7) {groups=[[0],[1]], reduction="mean"} : f32[]
+  output @pos = %4
+  output @pooled = %6
+  output @total = %8
+}
+)";
+  CHECK(Print(m) == expected);
+  Verify(m);
+  CHECK(Parse(expected) == m);
+  CheckRoundTrip(m);
 }
 
 TEST_CASE("Parse reports malformed text with line:col") {

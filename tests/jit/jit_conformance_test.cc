@@ -26,6 +26,7 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "ir/builder.h"
 #include "ir/error.h"
@@ -218,6 +219,23 @@ std::vector<Case> CasesFor(OpCode op) {
       out.push_back(cb.Out(cb.b.ReplicaId()));
       break;
     }
+    case OpCode::kIota:
+      for (DType t : {DType::kF32, DType::kS32})
+        for (int64_t d : {0, 1, 2}) {
+          CaseBuilder cb(name + " " + Name(t) + " dimension " + std::to_string(d));
+          out.push_back(cb.Out(cb.b.Iota(T(t, {3, 4, 5}), d)));
+        }
+      break;
+    case OpCode::kRandomUniform:  // Philox: the JIT's and the interpreter's implementations agree bitwise
+      for (auto [step, first, shape] : {std::tuple{0, 0, ir::Shape{4, 5}}, std::tuple{7, 12, ir::Shape{3, 2, 3}},
+                                        std::tuple{-1, 2147483647, ir::Shape{2, 300}}, std::tuple{3, 5, ir::Shape{}},
+                                        std::tuple{123456, 64, ir::Shape{16, 1031}}}) {
+        CaseBuilder cb(name + " step " + std::to_string(step) + " first " + std::to_string(first) + " " +
+                       ir::ShapeToString(shape));
+        auto st = cb.InTensor(Tensor::S32({}, {step})), fe = cb.InTensor(Tensor::S32({}, {first}));
+        out.push_back(cb.Out(cb.b.RandomUniform(st, fe, shape, (uint64_t{0xfeedbeef} << 32) + 0x1234u + step)));
+      }
+      break;
     case OpCode::kNeg:
     case OpCode::kAbs:
       unary(DType::kF32, Dist::kUniform);
@@ -286,7 +304,7 @@ std::vector<Case> CasesFor(OpCode op) {
     case OpCode::kDiv:
       binary(DType::kF32, Dist::kUniform, Dist::kNonZero);
       binary(DType::kF32, Dist::kWide, Dist::kNonZero);
-      binary(DType::kS32, Dist::kWide, Dist::kNonZero);  // s32: the reference path (checks the divisor)
+      binary(DType::kS32, Dist::kWide, Dist::kNonZero);  // s32: a native loop (checks the divisor)
       binary(DType::kS32, Dist::kGrid, Dist::kNonZero);
       binary(DType::kF32, Dist::kWide, Dist::kNonZero, Tolerance::Exact(), large);
       binary(DType::kS32, Dist::kWide, Dist::kNonZero, Tolerance::Exact(), large);
@@ -396,6 +414,19 @@ std::vector<Case> CasesFor(OpCode op) {
         auto x = a.In(F({256, 130})), y = a.In(F({130, 128}));
         out.push_back(a.Out(a.b.Matmul(x, y)));
       }
+      // Batched: leading dimensions are independent products (attention's [B,H,T,D] x [B,H,T,D]^T).
+      for (int ta = 0; ta < 2; ++ta)
+        for (int tb = 0; tb < 2; ++tb) {
+          CaseBuilder a(name + " batched [3] ta=" + std::to_string(ta) + " tb=" + std::to_string(tb), Tolerance::Sum(11));
+          auto x = a.In(F(ta ? ir::Shape{3, 11, 7} : ir::Shape{3, 7, 11}));
+          auto y = a.In(F(tb ? ir::Shape{3, 5, 11} : ir::Shape{3, 11, 5}));
+          out.push_back(a.Out(a.b.Matmul(x, y, ta, tb)));
+        }
+      {
+        CaseBuilder a(name + " batched [2,3] q k^T", Tolerance::Sum(8));
+        auto q = a.In(F({2, 3, 6, 8})), k = a.In(F({2, 3, 6, 8}));
+        out.push_back(a.Out(a.b.Matmul(q, k, false, true)));
+      }
       break;
     case OpCode::kConv2d: {
       CaseBuilder a(name, Tolerance::Sum(3 * 3 * 3));
@@ -450,6 +481,15 @@ std::vector<Case> CasesFor(OpCode op) {
       out.push_back(l.Out(l.b.Emit(op, {l.In(F({4, 16, 34, 32}), Dist::kGrid)}, {{"window", IntList{2, 2}}})));
       CaseBuilder l3(name + " 3x3 large (parallel planes)", tol(9));
       out.push_back(l3.Out(l3.b.Emit(op, {l3.In(F({4, 16, 33, 31}), Dist::kGrid)}, {{"window", IntList{3, 3}}, {"stride", IntList{2, 2}}})));
+      if (op == OpCode::kMaxPool)  // padded cells never win (all-negative inputs would pick a padded 0)
+        for (Dist d : {Dist::kGrid, Dist::kUniform}) {
+          CaseBuilder p(name + " 3x3 stride 2 padding 1" + (d == Dist::kGrid ? " grid" : " uniform"));
+          Tensor neg = Random(F({2, 3, 9, 7}), 77, d);
+          for (float& v : neg.f32) v = -std::abs(v) - 0.5f;
+          out.push_back(p.Out(p.b.MaxPool(p.InTensor(neg), {3, 3}, {2, 2}, 1)));
+          CaseBuilder q(name + " 2x2 stride 1 padding 1" + (d == Dist::kGrid ? " grid" : " uniform"));
+          out.push_back(q.Out(q.b.MaxPool(q.In(F({2, 2, 5, 6}), d), {2, 2}, {1, 1}, 1)));
+        }
       refused({F({2, 3, 8, 6})}, {{"window", IntList{2, 2}}});
       break;
     }
@@ -470,6 +510,9 @@ std::vector<Case> CasesFor(OpCode op) {
       CaseBuilder l3(name + " 3x3 large (parallel planes)", Tolerance::Sum(4));
       auto xl3 = l3.InSigned(F({4, 16, 33, 31}), Dist::kGrid), dyl3 = l3.In(F({4, 16, 16, 15}));
       out.push_back(l3.Out(l3.b.Emit(op, {xl3, dyl3}, {{"window", IntList{3, 3}}, {"stride", IntList{2, 2}}})));
+      CaseBuilder p(name + " 3x3 stride 2 padding 1", Tolerance::Sum(4));
+      auto xp = p.InSigned(F({2, 3, 9, 7}), Dist::kGrid), dyp = p.In(F({2, 3, 5, 4}));
+      out.push_back(p.Out(p.b.Emit(op, {xp, dyp}, {{"window", IntList{3, 3}}, {"stride", IntList{2, 2}}, {"padding", int64_t{1}}})));
       refused({F({2, 3, 8, 6}), F({2, 3, 4, 3})}, {{"window", IntList{2, 2}}});
       break;
     }
@@ -1013,6 +1056,38 @@ TEST_CASE("specials: NaN, infinities, signed zeros, saturation and wrapping matc
   }
 }
 
+TEST_CASE("a forward all_reduce (cross-replica statistics) runs on 1 and on N replicas on both backends", "[jit]") {
+  // y = x * all_reduce(reduce_sum(x)){reduction}: replica r's x is base + r.
+  const std::vector<float> base = {0.5f, -1.25f, 2.0f};
+  for (int n : {1, 4})
+    for (const char* reduction : {"sum", "mean"})
+      for (bool jit : {false, true}) {
+        ir::Module m;
+        m.num_replicas = n;
+        ir::Builder b(&m);
+        auto x = b.Input("x", F({3}));
+        auto total = b.AllReduce(b.ReduceSum(x, {0}), reduction, n == 4 ? ir::IntLists{{0, 1}, {2, 3}} : ir::IntLists{});
+        m.outputs.push_back({"y", b.Mul(x, b.BroadcastScalar(total, {3}))});
+        std::vector<TensorMap> outs(n);
+        InProcessCollectives coll(n);
+        RunReplicas(n, &coll, [&](int r) {
+          TensorMap vars, inputs{{"x", Tensor::F32({3}, base)}};
+          for (float& v : inputs["x"].f32) v += static_cast<float>(r);
+          outs[r] = jit ? JitStep(m, vars, inputs, r, &coll) : RunStep(m, vars, inputs, r, &coll);
+        });
+        for (int r = 0; r < n; ++r) {
+          // The group of r: itself (n = 1) or the pair {r - r % 2, r - r % 2 + 1}.
+          double sum = 0;
+          const int first = n == 1 ? r : r - r % 2, size = n == 1 ? 1 : 2;
+          for (int s = first; s < first + size; ++s)
+            for (float v : base) sum += v + s;
+          const double t = std::string(reduction) == "sum" ? sum : sum / size;
+          INFO((jit ? "JIT" : "interpreter") << " replicas " << n << " " << reduction << " replica " << r);
+          for (int i = 0; i < 3; ++i) CHECK(outs[r].at("y").f32[i] == Approx((base[i] + r) * t).epsilon(1e-6));
+        }
+      }
+}
+
 TEST_CASE("bad data is an error on both backends", "[jit][conformance]") {
   struct Bad {
     std::string label;
@@ -1115,6 +1190,19 @@ TEST_CASE("mutation check: one element just beyond its tolerance fails and is na
         }
         CHECK_FALSE(v.ok);
         CHECK(v.first_bad == at);
+      }
+    }
+  }
+}
+
+TEST_CASE("no op of the table falls back to the interpreter's kernels on the JIT", "[jit]") {
+  for (int i = 0; i < ir::kNumOpCodes; ++i) {
+    const OpCode op = static_cast<OpCode>(i);
+    for (const Case& c : Cases(op)) {
+      auto step = jit::CompiledStep::Compile(c.m, jit::JitOptions{"", false});
+      for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+        INFO(c.label << ": %" << v << " " << ir::OpName(step->module().at(v).op));
+        CHECK(jit::LoweringOf(step->module(), v) != jit::Lowering::kReference);
       }
     }
   }

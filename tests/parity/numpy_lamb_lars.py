@@ -90,21 +90,24 @@ def main():
         t = i + 1
         for k in p:
             w = p[k]
+            # Biases: no weight decay and no layer adaptation (shardstep's weight_decay=0, layer_adaptation=0).
+            adapt, wd = not k.endswith(".b"), (0.0 if k.endswith(".b") else a.weight_decay)
             if a.optimizer == "lamb":
                 s1[k] = a.beta1 * s1[k] + (1 - a.beta1) * g[k]
                 s2[k] = a.beta2 * s2[k] + (1 - a.beta2) * g[k] ** 2
                 r = (s1[k] / (1 - a.beta1 ** t)) / (np.sqrt(s2[k] / (1 - a.beta2 ** t)) + a.eps) + wd * w
                 wn, rn = norm(w), norm(r)
-                p[k] = w - lr * (wn / rn if wn > 0 and rn > 0 else 1.0) * r
+                p[k] = w - lr * (wn / rn if adapt and wn > 0 and rn > 0 else 1.0) * r
             else:
                 wn, gn = norm(w), norm(g[k])
-                local = a.trust_coefficient * wn / (gn + wd * wn) if wn > 0 and gn > 0 else 1.0
+                local = a.trust_coefficient * wn / (gn + wd * wn) if adapt and wn > 0 and gn > 0 else 1.0
                 s1[k] = a.momentum * s1[k] + lr * local * (g[k] + wd * w)
                 p[k] = w - s1[k]
     ref = dict(p)
     for k in p:
         if a.optimizer == "lamb": ref[f"{k}/m"], ref[f"{k}/v"] = s1[k], s2[k]
         else: ref[f"{k}/momentum"] = s1[k]
+    wd = a.weight_decay
     label = (f"mlp {a.optimizer} lr={a.lr} wd={wd} clip={a.clip_norm} warmup={a.warmup_steps} batch={a.batch} "
              f"replicas={a.replicas}" + (f" shard={a.shard_weight_update}" if a.shard_weight_update else "") + " vs numpy float64")
     bad = pc.compare(label, ours, theirs, "numpy", a.tol, secs, time.time() - t0)

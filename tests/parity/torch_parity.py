@@ -58,7 +58,10 @@ def train(a, dt, start, slots, images, labels):
     """Trains the torch reference in dtype dt from `start`; returns (per-step losses, final weights and state in
     shardstep's names: torch's momentum_buffer, exp_avg, exp_avg_sq, sum -> <w>/momentum, /m, /v, /sum)."""
     params = {k: torch.tensor(v, dtype=dt, requires_grad=True) for k, v in start.items()}
-    opt = make_optimizer(a, list(params.values()))
+    # shardstep excludes biases and norm parameters from weight decay (attr weight_decay=0), as the torch recipes do.
+    no_decay = lambda k: k.endswith((".b", ".gamma", ".beta"))
+    opt = make_optimizer(a, [{"params": [v for k, v in params.items() if not no_decay(k)]},
+                             {"params": [v for k, v in params.items() if no_decay(k)], "weight_decay": 0.0}])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / a.warmup_steps) if a.warmup_steps > 0 else 1.0)
     losses = []
     for i in range(a.steps):

@@ -1,5 +1,6 @@
 // Tests for the IDX loader (real Fashion-MNIST and broken files), synthetic data and batching.
 #include "runtime/dataset.h"
+#include "runtime/image_data.h"
 
 #include <stdlib.h>
 #include <zlib.h>
@@ -304,4 +305,66 @@ TEST_CASE("ReshapeTensor keeps data and checks the element count") {
   REQUIRE(t.f32 == std::vector<float>{1, 2, 3, 4});
   REQUIRE_THROWS_AS(ReshapeTensor(t, {3}), Error);
   REQUIRE_THROWS_WITH(ReshapeTensor(t, {3}), Contains("cannot reshape f32[4] to [3]"));
+}
+
+TEST_CASE("image sources: synthetic-imagenet is deterministic per example, whatever the batch size") {
+  ImageDataOptions o;
+  o.dataset = "synthetic-imagenet";
+  o.image_size = 8;
+  o.batch = 4;
+  o.eval_batch = 3;
+  o.seed = 5;
+  ImageData a = MakeImageData(o);
+  o.batch = 2;
+  ImageData b = MakeImageData(o);
+  TensorMap x, y1, y2;
+  a.train->Next(&x);
+  b.train->Next(&y1);
+  b.train->Next(&y2);
+  REQUIRE(x.at("image").shape() == ir::Shape{4, 3, 8, 8});
+  REQUIRE(x.at("label").shape() == ir::Shape{4});
+  const int64_t half = 2 * 3 * 8 * 8;
+  CHECK(std::equal(y1.at("image").f32.begin(), y1.at("image").f32.end(), x.at("image").f32.begin()));
+  CHECK(std::equal(y2.at("image").f32.begin(), y2.at("image").f32.end(), x.at("image").f32.begin() + half));
+  CHECK(x.at("label").s32[2] == y2.at("label").s32[0]);
+  for (float v : x.at("image").f32) REQUIRE((v >= 0 && v < 1));
+  for (int32_t l : x.at("label").s32) REQUIRE((l >= 0 && l < 1000));
+  CHECK(x.at("image").f32[0] != x.at("image").f32[1]);
+  // Seek continues the stream; the evaluation set is the same at every call and differs from training.
+  a.train->Seek(0, 2);
+  a.train->Next(&y1);
+  CHECK(std::equal(y1.at("image").f32.begin(), y1.at("image").f32.begin() + half, x.at("image").f32.begin() + half));
+  CHECK(a.train->position() == 6);
+  REQUIRE(a.eval->num_batches() == 2);
+  TensorMap e1, e2;
+  a.eval->Batch(1, &e1);
+  a.eval->Batch(1, &e2);
+  CHECK(e1.at("image").f32 == e2.at("image").f32);
+  CHECK(e1.at("image").shape() == ir::Shape{3, 3, 8, 8});
+  CHECK(e1.at("image").f32[0] != x.at("image").f32[0]);
+}
+
+TEST_CASE("image sources: Fashion-MNIST-style sets wrap BatchIterator; the eval batch must divide the split") {
+  auto d = std::make_shared<Dataset>(SyntheticClassification(40, 1, 2, 2, 3, 1));
+  ImageBatchSource s(d, 8, /*shuffle=*/true, 9, {4}, "tiny");
+  BatchIterator it(*d, 8, true, 9, {4});
+  TensorMap in;
+  Tensor x, y;
+  for (int i = 0; i < 7; ++i) {
+    s.Next(&in);
+    it.Next(&x, &y);
+    REQUIRE(in.at("image").f32 == x.f32);
+    REQUIRE(in.at("label").s32 == y.s32);
+    CHECK(s.epoch() == it.epoch());
+    CHECK(s.position() == it.position());
+  }
+  CHECK_THAT(s.Describe(), Contains("tiny train (40 examples)"));
+  ImageEvalSet e(d, 10, {4}, "tiny");
+  CHECK(e.num_batches() == 4);
+  e.Batch(3, &in);
+  CHECK(in.at("label").s32 == std::vector<int32_t>(d->labels.s32.begin() + 30, d->labels.s32.end()));
+  CHECK_THROWS_WITH(ImageEvalSet(d, 12, {4}, "tiny"), Contains("does not divide the split (40 examples)"));
+  ImageDataOptions o;
+  o.dataset = "kjv";
+  CHECK_THROWS_WITH(MakeImageData(o), Contains("not an image dataset"));
 }

@@ -113,6 +113,17 @@ const std::map<OpCode, std::function<void()>>& Examples() {
        }},
       {OpCode::kReplicaId,
        [] { Expect(EvalLeaf([](Builder& b) { return b.ReplicaId(); }, {}, /*num_replicas=*/3, /*replica=*/2), S({}, {2})); }},
+      {OpCode::kIota,
+       [] {
+         Expect(EvalLeaf([](Builder& b) { return b.Iota({DType::kS32, {2, 3}}, 1); }), S({2, 3}, {0, 1, 2, 0, 1, 2}));
+         Expect(EvalLeaf([](Builder& b) { return b.Iota({DType::kF32, {2, 3}}, 0); }), F({2, 3}, {0, 0, 0, 1, 1, 1}));
+       }},
+      // Philox4x32-10 of counter 0 under key 0 is Random123's known answer 6627e8d5 ...: (x0 >> 8) * 2^-24.
+      {OpCode::kRandomUniform,
+       [] {
+         Expect(Apply(OpCode::kRandomUniform, {S({}, {0}), S({}, {0})}, {{"seed", int64_t{0}}, {"shape", IntList{1}}}),
+                F({1}, {static_cast<float>(0x6627e8d5u >> 8) / 16777216.0f}));
+       }},
 
       {OpCode::kNeg,
        [] {
@@ -270,6 +281,11 @@ const std::map<OpCode, std::function<void()>>& Examples() {
          Expect(Apply(OpCode::kMatmul, {a, a}, {{"transpose_b", int64_t{1}}}), F({2, 2}, {14, 32, 32, 77}));
          Expect(Apply(OpCode::kMatmul, {a, a}, {{"transpose_a", int64_t{1}}}),
                 F({3, 3}, {17, 22, 27, 22, 29, 36, 27, 36, 45}));
+         // Batched: [2] x ([1,2] x [2,1]); the transposes act on the last two dims.
+         Tensor x = F({2, 1, 2}, {1, 2, 3, 4}), y = F({2, 2, 1}, {5, 6, 7, 8});
+         Expect(Apply(OpCode::kMatmul, {x, y}), F({2, 1, 1}, {17, 53}));
+         Expect(Apply(OpCode::kMatmul, {x, y}, {{"transpose_a", int64_t{1}}, {"transpose_b", int64_t{1}}}),
+                F({2, 2, 2}, {5, 6, 10, 12, 21, 24, 28, 32}));
        }},
       // x = [[1,2,3],[4,5,6],[7,8,9]], w = [[1,0],[0,1]]: y[i,j] = x[i,j] + x[i+1,j+1].
       {OpCode::kConv2d,
@@ -298,6 +314,9 @@ const std::map<OpCode, std::function<void()>>& Examples() {
        [] {
          Tensor x = F({1, 1, 4, 4}, {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15});
          Expect(Apply(OpCode::kMaxPool, {x}, {{"window", IntList{2, 2}}}), F({1, 1, 2, 2}, {5, 7, 13, 15}));
+         // padding 1: each window holds one real cell; the padded cells never win, even over negatives.
+         Expect(Apply(OpCode::kMaxPool, {F({1, 1, 2, 2}, {-1, -2, -3, -4})}, {{"window", IntList{2, 2}}, {"padding", int64_t{1}}}),
+                F({1, 1, 2, 2}, {-1, -2, -3, -4}));
        }},
       // Overlapping windows [1,3;0,3] and [3,2;3,1]: both pick the first 3, which gets 10 + 20.
       {OpCode::kMaxPoolGrad,
@@ -305,6 +324,9 @@ const std::map<OpCode, std::function<void()>>& Examples() {
          Expect(Apply(OpCode::kMaxPoolGrad, {F({1, 1, 2, 3}, {1, 3, 2, 0, 3, 1}), F({1, 1, 1, 2}, {10, 20})},
                       {{"window", IntList{2, 2}}, {"stride", IntList{1, 1}}}),
                 F({1, 1, 2, 3}, {0, 30, 0, 0, 0, 0}));
+         Expect(Apply(OpCode::kMaxPoolGrad, {F({1, 1, 2, 2}, {-1, -2, -3, -4}), F({1, 1, 2, 2}, {10, 20, 30, 40})},
+                      {{"window", IntList{2, 2}}, {"padding", int64_t{1}}}),
+                F({1, 1, 2, 2}, {10, 20, 30, 40}));
        }},
       {OpCode::kAvgPool,
        [] {

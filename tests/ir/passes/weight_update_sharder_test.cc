@@ -6,7 +6,12 @@
 #include <string>
 #include <vector>
 
+#include "dsl/dsl.h"
 #include "ir/error.h"
+#include "ir/passes/autodiff.h"
+#include "ir/passes/data_parallel_lowering.h"
+#include "ir/passes/optimizer_lowering.h"
+#include "runtime/executor.h"
 #include "ir/parser.h"
 #include "ir/passes/collective_combiner.h"
 #include "ir/passes/weight_update_sharder.h"
@@ -1220,6 +1225,82 @@ module @big replicas=4 {
     CHECK: b/momentum {{ +}}optimizer_state {{ +}}yes {{ +}}dim0 {{ +}}0 {{ +}}1.0 KiB {{ +}}256 B
     CHECK: total {{ +}}2.00 MiB {{ +}}1.25 MiB {{ +}}(per replica, group of 4)
   )C") == "");
+}
+
+TEST_CASE("batch-norm running statistics (model_state) stay replicated with their assignments, and are reported",
+          "[weight-update-sharder][model-state]") {
+  constexpr int kReplicas = 4;
+  for (int bn_group : {0, 4, 2}) {  // per-replica statistics; cross-replica over all 4; over pairs
+    const bool cross = bn_group > 0;
+    INFO((cross ? "cross-replica" : "per-replica") << " batch norm, group " << bn_group);
+    dsl::Model m("bn", 2);
+    auto x = m.input("x", dsl::f32({8, 6}));
+    auto y = m.input("y", dsl::s32({8}));
+    auto bn = dsl::BatchNormOptions().with_cross_replica(cross).with_group_size(bn_group);
+    auto h = x.dense(16, "fc1").batch_norm("bn", bn).relu();
+    auto loss = h.dense(3, "fc2").cross_entropy(y).mean();
+    m.train(loss);
+    Module before = m.lower(kReplicas, dsl::Mode::kTrain);
+    Autodiff("loss").Run(before);
+    DataParallelLowering().Run(before);
+    OptimizerLowering(OptimizerConfig().kind(OptimizerKind::kAdam).lr(1e-2)).Run(before);
+    Verify(before);
+    Module after = before;
+    WeightUpdateSharder pass(ShardingOptions{kReplicas});  // the forward's all-reduces over pairs do not count
+    REQUIRE(pass.Run(after));
+    Verify(after);
+    const ShardingReport& report = pass.report();
+    INFO(report.ToString());
+    int model_state_rows = 0;
+    for (const VariableShardingRow& row : report.variables) {
+      if (row.role == kRoleModelState) {
+        ++model_state_rows;
+        CHECK_FALSE(row.sharded);
+        CHECK_THAT(row.why, Catch::Contains("model state"));
+        CHECK(row.bytes_after == row.bytes_before);
+      }
+      if (row.name == "fc1.w/m") CHECK(row.sharded);
+    }
+    CHECK(model_state_rows == 2);
+    for (const char* name : {"bn.running_mean", "bn.running_var"}) {
+      ValueId v = after.FindVariable(name);
+      REQUIRE(v != kNoValue);
+      CHECK(after.type(v).shape == Shape{16});
+      ShardFormat f;
+      CHECK_FALSE(ShardFormat::FromAttrs(after.at(v), &f));
+      ValueId assigned = after.AssignedValue(v);
+      REQUIRE(assigned != kNoValue);
+      CHECK(after.type(assigned).shape == Shape{16});
+      CHECK(after.at(assigned).op != OpCode::kAllGather);  // computed in place, not gathered from shards
+    }
+    // Numbers: sharded and replicated steps agree, running statistics included.
+    const runtime::TensorMap init = runtime::InitLogicalState(before);
+    auto a = runtime::MakeInterpreterExecutor(before, init), b = runtime::MakeInterpreterExecutor(after, init);
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> d(-1, 1);
+    for (int step = 0; step < 3; ++step) {
+      runtime::TensorMap in;
+      std::vector<float> xs(48);
+      for (float& v : xs) v = d(rng);
+      std::vector<int32_t> ys(8);
+      for (int i = 0; i < 8; ++i) ys[i] = (i * 7 + step) % 3;
+      in["x"] = runtime::Tensor::F32({8, 6}, xs);
+      in["y"] = runtime::Tensor::S32({8}, ys);
+      const float la = a->Step(in).at("loss").f32[0], lb = b->Step(in).at("loss").f32[0];
+      CHECK(la == Approx(lb).epsilon(1e-6));
+    }
+    const runtime::TensorMap sa = a->LogicalState(), sb = b->LogicalState();
+    for (const char* name : {"bn.running_mean", "bn.running_var", "bn.gamma", "fc1.w"}) {
+      double worst = 0;
+      for (int64_t i = 0; i < sa.at(name).elements(); ++i)
+        worst = std::max<double>(worst, std::abs(sa.at(name).at(i) - sb.at(name).at(i)));
+      INFO(name << " worst difference " << worst);
+      CHECK(worst <= 1e-6);
+    }
+    double moved = 0;
+    for (float v : sa.at("bn.running_mean").f32) moved += std::abs(v);
+    CHECK(moved > 0);
+  }
 }
 
 }  // namespace
