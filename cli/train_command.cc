@@ -162,6 +162,20 @@ void CheckVocabulary(const runtime::TensorMap& loaded, const std::map<std::strin
   }
 }
 
+// A checkpoint whose position table ("pos_emb.w" [positions, D]) has another length than the model built
+// at --context: name the option, not a shape mismatch.
+void CheckContext(const runtime::TensorMap& loaded, const std::map<std::string, ir::TensorType>& expected,
+                  int64_t context, const std::string& path) {
+  auto want = expected.find("pos_emb.w");
+  auto got = loaded.find("pos_emb.w");
+  if (want == expected.end() || got == loaded.end() || got->second.shape().size() != 2) return;
+  const int64_t have = got->second.shape()[0];
+  if (have == want->second.shape[0]) return;
+  throw Error(Str("--context ", context, (context > have ? " is longer than" : " does not match"),
+                  " the position table of ", path, " (pos_emb.w is ", ir::ShapeToString(got->second.shape()),
+                  ", ", have, " positions): use --context ", have, " with this checkpoint"));
+}
+
 int RunTrain(const TrainFlags& t_in) {
   TrainFlags t = t_in;
   const models::ModelSpec& spec = models::FindModel(t.program.model);
@@ -287,6 +301,7 @@ int RunTrain(const TrainFlags& t_in) {
   const std::map<std::string, ir::TensorType> logical_types = runtime::LogicalTypes(program.step);
   if (resume) {
     if (text) CheckVocabulary(resume->tensors, logical_types, t.program.vocab, resume->path, data_name);
+    if (text) CheckContext(resume->tensors, logical_types, ContextOf(t.program), resume->path);
     runtime::CheckCheckpointMatches(resume->tensors, logical_types, resume->path);
     state = std::move(resume->tensors);
     std::cout << "resuming from " << resume->path << " at step " << resume->step << " of " << t.steps
@@ -296,6 +311,7 @@ int RunTrain(const TrainFlags& t_in) {
     bool checksummed = false;
     runtime::TensorMap loaded = runtime::LoadCheckpoint(t.load, nullptr, &checksummed);
     if (text) CheckVocabulary(loaded, logical_types, t.program.vocab, t.load, data_name);
+    if (text) CheckContext(loaded, logical_types, ContextOf(t.program), t.load);
     runtime::CheckCheckpointMatches(loaded, logical_types, t.load);
     state = loaded;
     std::cout << "loaded checkpoint " << t.load

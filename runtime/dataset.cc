@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "ir/error.h"
+#include "runtime/splitmix64.h"
 
 namespace shardstep::runtime {
 namespace {
@@ -17,29 +18,6 @@ namespace {
 constexpr uint32_t kImagesMagic = 0x00000803;  // unsigned bytes, 3 dims
 constexpr uint32_t kLabelsMagic = 0x00000801;  // unsigned bytes, 1 dim
 
-// splitmix64 (Steele et al.): tiny, fully specified, so shuffles are identical on every platform.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, bound), unbiased (rejection sampling).
-  uint64_t Below(uint64_t bound) {
-    uint64_t threshold = (0 - bound) % bound;
-    for (;;) {
-      uint64_t r = Next();
-      if (r >= threshold) return r % bound;
-    }
-  }
-  float Uniform() { return static_cast<float>(Next() >> 40) * 0x1p-24f; }  // [0, 1)
-
- private:
-  uint64_t state_;
-};
 
 // One IDX file: its dimensions and raw unsigned-byte payload.
 struct IdxFile {
@@ -187,13 +165,13 @@ Dataset SyntheticClassification(int64_t n, int channels, int h, int w, int class
   const int64_t elems = int64_t{channels} * h * w;
   SplitMix64 rng(seed);
   std::vector<float> means(classes * elems);
-  for (float& m : means) m = rng.Uniform();
+  for (float& m : means) m = rng.UniformFloat();
   std::vector<float> pixels(n * elems);
   std::vector<int32_t> labels(n);
   for (int64_t i = 0; i < n; ++i) {
     labels[i] = static_cast<int32_t>(rng.Below(classes));
     const float* mean = &means[labels[i] * elems];
-    for (int64_t k = 0; k < elems; ++k) pixels[i * elems + k] = 0.5f * mean[k] + 0.5f * rng.Uniform();
+    for (int64_t k = 0; k < elems; ++k) pixels[i * elems + k] = 0.5f * mean[k] + 0.5f * rng.UniformFloat();
   }
   return {Tensor::F32({n, channels, h, w}, std::move(pixels)), Tensor::S32({n}, std::move(labels))};
 }

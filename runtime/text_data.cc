@@ -18,6 +18,7 @@
 
 #include "ir/error.h"
 #include "runtime/atomic_file.h"
+#include "runtime/splitmix64.h"
 
 namespace shardstep::runtime {
 namespace {
@@ -27,28 +28,6 @@ namespace fs = std::filesystem;
 constexpr int kKjvBooks = 66;
 constexpr double kFileHeldOutFraction = 0.05;
 
-// splitmix64 (Steele et al.): tiny, fully specified, so orders and masks are identical on every platform.
-class SplitMix64 {
- public:
-  explicit SplitMix64(uint64_t seed) : state_(seed) {}
-  uint64_t Next() {
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  uint64_t Below(uint64_t bound) {  // uniform in [0, bound), unbiased (rejection sampling)
-    uint64_t threshold = (0 - bound) % bound;
-    for (;;) {
-      uint64_t r = Next();
-      if (r >= threshold) return r % bound;
-    }
-  }
-  double Uniform() { return static_cast<double>(Next() >> 11) * 0x1p-53; }  // [0, 1)
-
- private:
-  uint64_t state_;
-};
 
 uint64_t Mix(uint64_t a, uint64_t b) { return SplitMix64(a ^ (b * 0xd6e8feb86659fd93ull + 0x2545f4914f6cdd1dull)).Next(); }
 
@@ -212,7 +191,7 @@ void MaskExample(const std::vector<int32_t>& stream, int64_t index, int64_t t, i
   SplitMix64 rng(key);
   int64_t selected = 0;
   for (int64_t j = 1; j <= words; ++j) {
-    if (rng.Uniform() < 0.15) {
+    if (rng.UniformDouble() < 0.15) {
       w[j] = 1.0f;
       ++selected;
     }
@@ -220,7 +199,7 @@ void MaskExample(const std::vector<int32_t>& stream, int64_t index, int64_t t, i
   if (selected == 0) w[1 + rng.Below(words)] = 1.0f;  // every example predicts something
   for (int64_t j = 1; j <= words; ++j) {
     if (w[j] == 0.0f) continue;
-    const double r = rng.Uniform();
+    const double r = rng.UniformDouble();
     if (r < 0.8) {
       tok[j] = WordTokenizer::kMask;
     } else if (r < 0.9) {

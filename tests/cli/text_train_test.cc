@@ -1,7 +1,7 @@
 // `shardstep train` on a text model (transformer_lm on a small --data-file): evaluation reports bits per
 // character in the progress and the metrics, --save-batches holds every step's tokens and targets, a
 // resumed run continues the text data order bitwise, and --load of a checkpoint trained on text with
-// another alphabet is an error naming the vocabulary, not a shape crash.
+// another alphabet (or at a longer --context) is an error naming the vocabulary (the context), not a shape crash.
 #include <catch2/catch.hpp>
 
 #include <fstream>
@@ -81,4 +81,11 @@ TEST_CASE("a character LM trains from --data-file, resumes bitwise and saves its
   CHECK_THAT(r.output, Contains("tok_emb.w is [10,16], a vocabulary of 10"));
   CHECK_THAT(r.output, Contains("gives a vocabulary of 5"));  // x, y, z, space, newline
   CHECK_THAT(r.output, Contains("--data-file"));
+
+  // The same data at a longer --context than the checkpoint's position table: named as the option.
+  r = Run("train --model transformer_lm --context 32 --layers 1 --width 16 --heads 2 --batch 8 --eval-batch 4 "
+          "--eval-batches 2 --backend interp --data-file " + corpus + " --steps 1 --load " + (d / "ref.safetensors"));
+  CHECK(r.status == 1);
+  CHECK_THAT(r.output, Contains("--context 32 is longer than the position table of"));
+  CHECK_THAT(r.output, Contains("use --context 16"));
 }
