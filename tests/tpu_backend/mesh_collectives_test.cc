@@ -13,6 +13,7 @@
 
 #include "ir/error.h"
 #include "tpu_backend/mesh_topology.h"
+#include "tpu_backend/ring_cost.h"
 #include "tpu_backend/ring_schedule.h"
 
 using namespace shardstep;
@@ -232,4 +233,30 @@ TEST_CASE("the emulator refuses transfers that are not one hop or leave the buff
   CHECK_THROWS_WITH(RunSchedule(m, out_of_range, ptrs, 4, &t), Catch::Contains("leaves the buffer"));
   CHECK_THROWS_WITH(RunSchedule(m, bad, {ptrs[0]}, 4, &t), Catch::Contains("1 buffers for 3 replicas"));
   CHECK_THROWS_WITH(MeshReduceScatter(m, -1), Catch::Contains("non-negative shard size"));
+}
+
+// α–β closed form, from the algorithm: a phase along an axis of p members over chunks of c floats
+// is p - 1 steps, each as long as its busiest link: latency + (C rings sharing a chip's link) *
+// ceil(c/2) * 4 bytes / bandwidth. On chip an ordered pair of cores has one path, so with 2 cores per
+// chip both halves of a chunk share it (c floats a step). Reduce-scatter and all-gather cost the same.
+TEST_CASE("the alpha-beta time of the mesh collectives equals the closed form") {
+  const LinkModel ici{2e-6, 70e9}, chip{0.5e-6, 300e9};
+  for (const MeshTopology& m : AllMeshes()) {
+    for (int64_t shard : {1, 6, 1001}) {
+      INFO(m.ToString() << ", shard " << shard);
+      const double X = m.x(), Y = m.y(), C = m.cores_per_chip();
+      auto phase = [&](double p, double floats_per_step, const LinkModel& l) {
+        return p < 2 ? 0.0 : (p - 1) * (l.latency_s + floats_per_step * 4 / l.bytes_per_s);
+      };
+      const double on_chip = C == 2 ? X * Y * shard : std::ceil(X * Y * shard / 2.0);
+      const double expected = phase(C, on_chip, chip) + phase(X, C * std::ceil(Y * shard / 2.0), ici) +
+                              phase(Y, C * std::ceil(shard / 2.0), ici);
+      for (bool gather : {false, true}) {
+        const ScheduleTime t = TimeOf(m, gather ? MeshAllGather(m, shard) : MeshReduceScatter(m, shard), ici, chip);
+        CHECK(t.seconds == Approx(expected).epsilon(1e-9));
+      }
+    }
+  }
+  CHECK_THROWS_WITH(TimeOf(MeshTopology(2, 2), MeshReduceScatter(MeshTopology(2, 2), 4), LinkModel{1e-6, 0}, chip),
+                    Catch::Contains("inter-chip link model needs a positive bandwidth"));
 }
