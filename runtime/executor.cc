@@ -70,7 +70,8 @@ ReplicatedExecutor::ReplicatedExecutor(const ir::Module& layout)
 std::vector<TensorMap> ReplicatedExecutor::StepReplicas(const TensorMap& global_inputs) {
   if (n_ == 1) return {RunReplica(0, global_inputs, states_[0], nullptr)};  // no thread hop
   std::vector<TensorMap> outputs(n_);
-  RunReplicas(n_, &collectives_, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], &collectives_); });
+  if (!pool_) pool_ = std::make_unique<ReplicaPool>(n_);
+  pool_->Run(&collectives_, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], &collectives_); });
   return outputs;
 }
 

@@ -10,6 +10,7 @@
 #include "ir/module.h"
 #include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
+#include "runtime/replica_runner.h"
 #include "runtime/xtensor_io.h"
 
 namespace shardstep::runtime {
@@ -44,7 +45,8 @@ class Executor {
   void LoadLogicalState(const XtensorMap& state);
 };
 
-// What every in-process backend shares: one thread per replica (none for a single replica), the
+// What every in-process backend shares: one thread per replica (none for a single replica; started at
+// the first step and parked between steps), the
 // in-process collectives, each replica's state shard, the loss averaged over replicas, and the
 // conversion between the logical state and the shards. A backend supplies one replica's step.
 class ReplicatedExecutor : public Executor {
@@ -71,6 +73,7 @@ class ReplicatedExecutor : public Executor {
   int n_;
   InProcessCollectives collectives_;
   std::vector<TensorMap> states_;
+  std::unique_ptr<ReplicaPool> pool_;  // last: its threads stop before the rest goes
 };
 
 // The reference interpreter, with `step.num_replicas` replica threads exchanging through

@@ -1,4 +1,4 @@
-// RunReplicas: runs one body per replica, each on its own thread, and turns the first failure into an error.
+// Running one body per replica, each on its own thread, and turning the first failure into an error.
 //
 // Replica threads block (inside collectives they wait on condition variables), so n may far exceed the
 // core count, e.g. 64 replicas on 2 cores. Work inside a replica may use oneTBB (parallel_for etc.): all
@@ -6,7 +6,13 @@
 // from inside a TBB task: a worker blocked in a collective would starve the arena.
 #pragma once
 
+#include <condition_variable>
 #include <functional>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
 
 #include "runtime/collectives.h"
 
@@ -17,5 +23,33 @@ namespace shardstep::runtime {
 // then, after joining, throws shardstep::Error with that first failing replica's message (the secondary
 // "aborted" errors of the others are dropped). `c` may be null when the body uses no collectives.
 void RunReplicas(int n, Collectives* c, const std::function<void(int replica)>& body);
+
+// The same, on n threads started once and parked between runs: replica r always runs on the same
+// thread, so a training step starts no thread and its thread-local scratch (kernels' buffers, oneDNN's
+// per-thread settings) survives from step to step. Run is not reentrant; the destructor joins.
+class ReplicaPool {
+ public:
+  explicit ReplicaPool(int n);
+  ~ReplicaPool();
+  ReplicaPool(const ReplicaPool&) = delete;
+  ReplicaPool& operator=(const ReplicaPool&) = delete;
+
+  int size() const { return static_cast<int>(threads_.size()); }
+  // RunReplicas' semantics (first failure aborts `c` and is rethrown after every replica returned).
+  void Run(Collectives* c, const std::function<void(int replica)>& body);
+
+ private:
+  void Worker(int r);
+
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int)>* body_ = nullptr;
+  Collectives* collectives_ = nullptr;
+  uint64_t generation_ = 0;  // bumped by every Run
+  int running_ = 0;          // replicas of the current run not yet finished
+  bool stop_ = false;
+  std::optional<std::string> first_failure_;
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace shardstep::runtime
