@@ -19,6 +19,9 @@ namespace shardstep::runtime {
 enum class Reduction { kSum, kMean, kMax };
 Reduction ParseReduction(const std::string& s);  // "sum" | "mean" | "max"
 
+// One step of a max fold, the same in every implementation: a NaN wins, then the larger value.
+inline float FoldMax(float acc, float x) { return (x > acc || x != x) ? x : acc; }
+
 // The replica ids of one group, in group order (a replica's position in it is its group rank).
 using ReplicaGroup = std::vector<int64_t>;
 

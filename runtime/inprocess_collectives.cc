@@ -41,7 +41,7 @@ std::string GroupString(const ReplicaGroup& group) {
   return s + "}";
 }
 
-inline float MaxOf(float acc, float x) { return (x > acc || std::isnan(x)) ? x : acc; }
+inline float MaxOf(float acc, float x) { return FoldMax(acc, x); }
 
 void CheckDisjoint(const char* what, const float* in, int64_t n_in, const float* out, int64_t n_out) {
   if (n_in == 0 || n_out == 0) return;
