@@ -30,36 +30,35 @@ std::unique_ptr<MlLog> MlLog::OpenFile(const std::string& path) {
   return log;
 }
 
-void MlLog::Event(const std::string& key, const Json& value, Json metadata, std::source_location where) {
-  Write("POINT_IN_TIME", key, value, std::move(metadata), where);
+void MlLog::Event(const std::string& key, const Json& value, Json metadata, const char* file, int line) {
+  Write("POINT_IN_TIME", key, value, std::move(metadata), file, line);
 }
 
-void MlLog::Start(const std::string& key, const Json& value, Json metadata, std::source_location where) {
-  Write("INTERVAL_START", key, value, std::move(metadata), where);
+void MlLog::Start(const std::string& key, const Json& value, Json metadata, const char* file, int line) {
+  Write("INTERVAL_START", key, value, std::move(metadata), file, line);
 }
 
-void MlLog::End(const std::string& key, const Json& value, Json metadata, std::source_location where) {
-  Write("INTERVAL_END", key, value, std::move(metadata), where);
+void MlLog::End(const std::string& key, const Json& value, Json metadata, const char* file, int line) {
+  Write("INTERVAL_END", key, value, std::move(metadata), file, line);
 }
 
-void MlLog::Write(const char* event_type, const std::string& key, const Json& value, Json metadata,
-                  const std::source_location& where) {
+void MlLog::Write(const char* event_type, const std::string& key, const Json& value, Json metadata, const char* file,
+                  int line) {
   if (metadata.is_null()) metadata = Json::object();
   if (!metadata.is_object()) throw Error(Str("MLPerf log key ", key, ": metadata must be a JSON object"));
   // The file's base name, as the reference logger records it.
-  const char* file = where.file_name();
   if (const char* slash = std::strrchr(file, '/')) file = slash + 1;
   metadata["file"] = file;
-  metadata["lineno"] = where.line();
+  metadata["lineno"] = line;
   // Field order as mlperf_logging writes it (nlohmann's ordered_json keeps insertion order).
-  nlohmann::ordered_json line;
-  line["namespace"] = namespace_;
-  line["time_ms"] = clock_ms_();
-  line["event_type"] = event_type;
-  line["key"] = key;
-  line["value"] = value;
-  line["metadata"] = metadata;
-  *out_ << ":::MLLOG " << line.dump() << '\n';
+  nlohmann::ordered_json record;
+  record["namespace"] = namespace_;
+  record["time_ms"] = clock_ms_();
+  record["event_type"] = event_type;
+  record["key"] = key;
+  record["value"] = value;
+  record["metadata"] = metadata;
+  *out_ << ":::MLLOG " << record.dump() << '\n';
   out_->flush();
   if (!*out_) throw Error(Str("cannot write the MLPerf log line for key ", key));
 }

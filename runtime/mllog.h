@@ -10,7 +10,6 @@
 #include <iosfwd>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <source_location>
 #include <string>
 
 namespace shardstep::runtime {
@@ -58,16 +57,18 @@ class MlLog {
 
   // POINT_IN_TIME, INTERVAL_START and INTERVAL_END lines. `metadata` must be a JSON object (or null);
   // "file" and "lineno" of the caller are added to it.
+  // (file and line default to the caller's: __builtin_FILE/LINE, which GCC and clang 14 both have,
+  // unlike std::source_location.)
   void Event(const std::string& key, const Json& value = nullptr, Json metadata = nullptr,
-             std::source_location where = std::source_location::current());
+             const char* file = __builtin_FILE(), int line = __builtin_LINE());
   void Start(const std::string& key, const Json& value = nullptr, Json metadata = nullptr,
-             std::source_location where = std::source_location::current());
+             const char* file = __builtin_FILE(), int line = __builtin_LINE());
   void End(const std::string& key, const Json& value = nullptr, Json metadata = nullptr,
-           std::source_location where = std::source_location::current());
+           const char* file = __builtin_FILE(), int line = __builtin_LINE());
 
  private:
-  void Write(const char* event_type, const std::string& key, const Json& value, Json metadata,
-             const std::source_location& where);
+  void Write(const char* event_type, const std::string& key, const Json& value, Json metadata, const char* file,
+             int line);
 
   std::unique_ptr<std::ostream> owned_;
   std::ostream* out_;
