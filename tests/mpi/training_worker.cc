@@ -2,12 +2,16 @@
 // one replica per rank (the JIT'd step of replica `rank`, reading its chunk of each global batch, over
 // MpiCollectives), then gather the logical state; rank 0 trains the same program in process with K
 // replica threads and compares every variable bit for bit, and the losses. Exit 1 on a difference.
-//   training_worker --optimizer adam|lamb --shard on|off [--steps N]
+//   training_worker --optimizer adam|lamb --shard on|off [--steps N] [--fail-rank R --fail-step S --fail-how throw|kill]
+// With --fail-*, rank R throws (caught: MpiCollectives::Abort names the rank and ends the job) or is killed
+// (SIGKILL: mpirun notices and ends the job) before its step S; the test checks that every rank is gone soon.
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
 
 #include "dsl/dsl.h"
+#include "ir/error.h"
 #include "jit/compiled_step.h"
 #include "jit/cpu_executor.h"
 #include "jit/dnnl_kernels.h"
@@ -22,13 +26,16 @@ using runtime::TensorMap;
 
 int main(int argc, char** argv) {
   runtime::MpiSession session(&argc, &argv);
-  std::string optimizer = "adam", shard = "off";
-  int steps = 20;
+  std::string optimizer = "adam", shard = "off", fail_how = "throw";
+  int steps = 20, fail_rank = -1, fail_step = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--optimizer") optimizer = v;
     else if (k == "--shard") shard = v;
     else if (k == "--steps") steps = std::stoi(v);
+    else if (k == "--fail-rank") fail_rank = std::stoi(v);
+    else if (k == "--fail-step") fail_step = std::stoi(v);
+    else if (k == "--fail-how") fail_how = v;
     else {
       std::fprintf(stderr, "training_worker: unknown flag %s\n", k.c_str());
       return 2;
@@ -59,7 +66,17 @@ int main(int argc, char** argv) {
   jit::Workspace ws;
   TensorMap state = runtime::ReplicaState(p.step, init, me);
   std::vector<float> losses;
-  for (const TensorMap& b : batches) losses.push_back(step->Run(state, b, me, &mpi, &ws, K).at("loss").f32[0]);
+  try {
+    for (int i = 0; i < steps; ++i) {
+      if (me == fail_rank && i + 1 == fail_step) {
+        if (fail_how == "kill") std::raise(SIGKILL);
+        throw Error(Str("the data file went away at step ", i + 1));
+      }
+      losses.push_back(step->Run(state, batches[i], me, &mpi, &ws, K).at("loss").f32[0]);
+    }
+  } catch (const std::exception& e) {
+    mpi.Abort(e.what());  // does not return
+  }
   const TensorMap gathered = runtime::GatherLogicalState(p.step, state, me, mpi);
 
   int bad = 0;

@@ -3,6 +3,7 @@
 // (tests/mpi/training_worker.cc compares every variable and every step's loss). Starts mpirun itself.
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -37,4 +38,30 @@ TEST_CASE("MLP training over 2 and 4 MPI ranks is bitwise the in-process run", "
       CHECK(out.find("bitwise equal to in-process: " + std::to_string(k) + " ranks, " + c.optimizer + ", shard " +
                      c.shard + ", 20 steps") != std::string::npos);
     }
+}
+
+// A rank that fails ends the whole job soon, with a message naming it: one that throws through
+// MpiCollectives::Abort ("shardstep: rank 1 failed: ..."), one killed by SIGKILL through mpirun, which
+// names the rank. The other ranks are blocked in a collective at that point; nothing may hang.
+TEST_CASE("a failing or killed rank ends every rank within 10 s, naming it", "[mpi]") {
+  for (const char* how : {"throw", "kill"}) {
+    std::string out;
+    const std::string cmd = "timeout 60 mpirun --allow-run-as-root --oversubscribe --mca btl_vader_single_copy_mechanism "
+                            "none -np 4 " SS_BINARY_DIR "/mpi_training_worker --optimizer adam --shard on --steps 20 "
+                            "--fail-rank 1 --fail-step 5 --fail-how " + std::string(how);
+    const auto t0 = std::chrono::steady_clock::now();
+    const int rc = Run(cmd, &out);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    INFO(cmd << "\n" << out);
+    CHECK(rc != 0);
+    CHECK(rc != 124);  // not the timeout's
+    CHECK(seconds < 10);
+    if (std::string(how) == "throw") {
+      CHECK(out.find("shardstep: rank 1 failed: the data file went away at step 5") != std::string::npos);
+    } else {
+      CHECK(out.find("rank 1") != std::string::npos);
+      CHECK(out.find("signal 9") != std::string::npos);
+    }
+    CHECK(out.find("bitwise equal") == std::string::npos);
+  }
 }
