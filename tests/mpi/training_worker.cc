@@ -2,7 +2,7 @@
 // one replica per rank (the JIT'd step of replica `rank`, reading its chunk of each global batch, over
 // MpiCollectives), then gather the logical state; rank 0 trains the same program in process with K
 // replica threads and compares every variable bit for bit, and the losses. Exit 1 on a difference.
-//   training_worker --optimizer adam|lamb --shard on|off [--steps N] [--fail-rank R --fail-step S --fail-how throw|kill]
+//   training_worker [--model mlp|cnn] --optimizer adam|lamb --shard on|off [--steps N] [--fail-rank R --fail-step S --fail-how throw|kill]
 // With --fail-*, rank R throws (caught: MpiCollectives::Abort names the rank and ends the job) or is killed
 // (SIGKILL: mpirun notices and ends the job) before its step S; the test checks that every rank is gone soon.
 #include <csignal>
@@ -26,11 +26,12 @@ using runtime::TensorMap;
 
 int main(int argc, char** argv) {
   runtime::MpiSession session(&argc, &argv);
-  std::string optimizer = "adam", shard = "off", fail_how = "throw";
+  std::string model = "mlp", optimizer = "adam", shard = "off", fail_how = "throw";
   int steps = 20, fail_rank = -1, fail_step = -1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--optimizer") optimizer = v;
+    if (k == "--model") model = v;
+    else if (k == "--optimizer") optimizer = v;
     else if (k == "--shard") shard = v;
     else if (k == "--steps") steps = std::stoi(v);
     else if (k == "--fail-rank") fail_rank = std::stoi(v);
@@ -45,17 +46,18 @@ int main(int argc, char** argv) {
   const int K = session.size(), me = session.rank();
   constexpr int64_t kBatch = 48;  // divisible by 2, 3 and 4
 
-  dsl::Model m("mlp", /*seed=*/5);
+  dsl::Model m(model, /*seed=*/5);
   models::ModelOptions mo;
   mo.batch = kBatch;
   mo.hidden = {64, 32};
   mo.classes = 10;
-  dsl::Tensor loss = models::DefineMlp(m, mo);
+  dsl::Tensor loss = model == "cnn" ? models::DefineCnn(m, mo) : models::DefineMlp(m, mo);
   ir::OptimizerConfig opt = optimizer == "lamb" ? dsl::Lamb().lr(1e-2).weight_decay(0.01) : dsl::Adam().lr(1e-3);
   dsl::Program p = m.train(loss).optimizer(opt).replicas(K).shard_weight_update(shard == "on").build();
 
   const runtime::Dataset data = runtime::SyntheticClassification(4 * kBatch, 1, 28, 28, 10, /*seed=*/11);
-  runtime::BatchIterator it(data, kBatch, /*shuffle=*/true, /*seed=*/3, ir::Shape{784});
+  runtime::BatchIterator it(data, kBatch, /*shuffle=*/true, /*seed=*/3,
+                            model == "cnn" ? ir::Shape{1, 28, 28} : ir::Shape{784});
   std::vector<TensorMap> batches(steps);
   for (TensorMap& b : batches) it.Next(&b["image"], &b["label"]);
 
@@ -98,9 +100,9 @@ int main(int argc, char** argv) {
         ++bad;
       }
     }
-    std::printf("%s: %d ranks, %s, shard %s, %d steps, %zu variables, final loss %.6f\n",
-                bad ? "MISMATCH" : "bitwise equal to in-process", K, optimizer.c_str(), shard.c_str(), steps,
-                ref.size(), losses.back());
+    std::printf("%s: %d ranks, %s, %s, shard %s, %d steps, %zu variables, final loss %.6f\n",
+                bad ? "MISMATCH" : "bitwise equal to in-process", K, model.c_str(), optimizer.c_str(), shard.c_str(),
+                steps, ref.size(), losses.back());
     std::fflush(stdout);
   }
   return bad ? 1 : 0;

@@ -1,5 +1,6 @@
 // Training over MPI (one replica per rank, MpiCollectives) gives the same bits as the in-process run with
-// the same replica count: MLP, 20 steps, Adam replicated and sharded, LAMB sharded, at 2 and 4 ranks
+// the same replica count: MLP, 20 steps, Adam replicated and sharded, LAMB sharded, at 2 and 4 ranks, and the
+// CNN (convolutions, OIHW shards) with Adam sharded at 4
 // (tests/mpi/training_worker.cc compares every variable and every step's loss). Starts mpirun itself.
 #include <catch2/catch.hpp>
 
@@ -21,21 +22,25 @@ int Run(const std::string& cmd, std::string* output) {
 
 }  // namespace
 
-TEST_CASE("MLP training over 2 and 4 MPI ranks is bitwise the in-process run", "[mpi]") {
+TEST_CASE("MLP and CNN training over 2 and 4 MPI ranks is bitwise the in-process run", "[mpi]") {
   struct Case {
+    const char* model;
     const char* optimizer;
     const char* shard;
+    int ranks;
   };
-  for (int k : {2, 4})
-    for (Case c : {Case{"adam", "off"}, Case{"adam", "on"}, Case{"lamb", "on"}}) {
+  for (Case c : {Case{"mlp", "adam", "off", 2}, Case{"mlp", "adam", "on", 2}, Case{"mlp", "lamb", "on", 2},
+                 Case{"mlp", "adam", "off", 4}, Case{"mlp", "adam", "on", 4}, Case{"mlp", "lamb", "on", 4},
+                 Case{"cnn", "adam", "on", 4}}) {
+      const int k = c.ranks;
       std::string out;
       const std::string cmd = "mpirun --allow-run-as-root --oversubscribe --mca btl_vader_single_copy_mechanism none -np " +
-                              std::to_string(k) + " " SS_BINARY_DIR "/mpi_training_worker --optimizer " + c.optimizer +
+                              std::to_string(k) + " " SS_BINARY_DIR "/mpi_training_worker --model " + c.model + " --optimizer " + c.optimizer +
                               " --shard " + c.shard + " --steps 20";
       const int rc = Run(cmd, &out);
       INFO(cmd << "\n" << out);
       CHECK(rc == 0);
-      CHECK(out.find("bitwise equal to in-process: " + std::to_string(k) + " ranks, " + c.optimizer + ", shard " +
+      CHECK(out.find("bitwise equal to in-process: " + std::to_string(k) + " ranks, " + c.model + ", " + c.optimizer + ", shard " +
                      c.shard + ", 20 steps") != std::string::npos);
     }
 }
