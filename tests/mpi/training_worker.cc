@@ -3,6 +3,8 @@
 // MpiCollectives), then gather the logical state; rank 0 trains the same program in process with K
 // replica threads and compares every variable bit for bit, and the losses. Exit 1 on a difference.
 //   training_worker [--model mlp|cnn] --optimizer adam|lamb --shard on|off [--steps N] [--fail-rank R --fail-step S --fail-how throw|kill]
+// --first-step F starts at batch F (after F steps); --load PATH starts from a checkpoint; --save PATH: rank 0
+// writes the gathered logical state after the last step. Rank 0 prints "loss <step> <value>" for every step.
 // With --fail-*, rank R throws (caught: MpiCollectives::Abort names the rank and ends the job) or is killed
 // (SIGKILL: mpirun notices and ends the job) before its step S; the test checks that every rank is gone soon.
 #include <csignal>
@@ -16,6 +18,7 @@
 #include "jit/cpu_executor.h"
 #include "jit/dnnl_kernels.h"
 #include "models/models.h"
+#include "runtime/checkpoint.h"
 #include "runtime/dataset.h"
 #include "runtime/mpi/distributed_state.h"
 #include "runtime/mpi/mpi_collectives.h"
@@ -27,7 +30,8 @@ using runtime::TensorMap;
 int main(int argc, char** argv) {
   runtime::MpiSession session(&argc, &argv);
   std::string model = "mlp", optimizer = "adam", shard = "off", fail_how = "throw";
-  int steps = 20, fail_rank = -1, fail_step = -1;
+  int steps = 20, fail_rank = -1, fail_step = -1, first_step = 0;
+  std::string load, save;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--model") model = v;
@@ -37,6 +41,9 @@ int main(int argc, char** argv) {
     else if (k == "--fail-rank") fail_rank = std::stoi(v);
     else if (k == "--fail-step") fail_step = std::stoi(v);
     else if (k == "--fail-how") fail_how = v;
+    else if (k == "--first-step") first_step = std::stoi(v);
+    else if (k == "--load") load = v;
+    else if (k == "--save") save = v;
     else {
       std::fprintf(stderr, "training_worker: unknown flag %s\n", k.c_str());
       return 2;
@@ -59,10 +66,19 @@ int main(int argc, char** argv) {
   runtime::BatchIterator it(data, kBatch, /*shuffle=*/true, /*seed=*/3,
                             model == "cnn" ? ir::Shape{1, 28, 28} : ir::Shape{784});
   std::vector<TensorMap> batches(steps);
+  TensorMap skipped;
+  for (int i = 0; i < first_step; ++i) it.Next(&skipped["image"], &skipped["label"]);
   for (TensorMap& b : batches) it.Next(&b["image"], &b["label"]);
 
-  // This rank's replica, over MPI.
-  const TensorMap init = runtime::InitLogicalState(p.step);
+  // This rank's replica, over MPI, from the initialisers or a checkpoint (written by any replica count).
+  TensorMap init = runtime::InitLogicalState(p.step);
+  if (!load.empty()) {
+    TensorMap loaded = runtime::LoadCheckpoint(load);
+    std::map<std::string, ir::TensorType> expected;
+    for (const auto& [name, t] : init) expected[name] = t.type;
+    runtime::CheckCheckpointMatches(loaded, expected, load);
+    init = std::move(loaded);
+  }
   jit::ConfigureThreadsForReplica(1);
   auto step = jit::CompiledStep::Compile(p.step);
   jit::Workspace ws;
@@ -80,6 +96,18 @@ int main(int argc, char** argv) {
     mpi.Abort(e.what());  // does not return
   }
   const TensorMap gathered = runtime::GatherLogicalState(p.step, state, me, mpi);
+  if (me == 0 && !save.empty()) runtime::SaveCheckpoint(save, gathered);
+  // Each step's loss averaged over the replicas as Executor::Step does (each replica's loss is its own chunk's).
+  std::vector<float> all_losses(static_cast<size_t>(steps) * K);
+  runtime::ReplicaGroup world(K);
+  for (int r = 0; r < K; ++r) world[r] = r;
+  mpi.AllGather(me, world, losses.data(), all_losses.data(), steps);
+  if (me == 0)
+    for (int i = 0; i < steps; ++i) {
+      double sum = 0;
+      for (int r = 0; r < K; ++r) sum += all_losses[static_cast<size_t>(r) * steps + i];
+      std::printf("loss %d %.9g\n", first_step + i + 1, static_cast<float>(sum / K));
+    }
 
   int bad = 0;
   if (me == 0) {  // the in-process run with K replica threads
