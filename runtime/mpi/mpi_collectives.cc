@@ -3,6 +3,8 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <climits>
 #include <cstdio>
 #include <memory>
@@ -42,7 +44,7 @@ struct MpiCollectives::Comm {
   int position = 0, size = 0;
 };
 
-MpiCollectives::MpiCollectives() {
+MpiCollectives::MpiCollectives(double timeout_seconds) : timeout_seconds_(timeout_seconds) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) throw Error("MpiCollectives needs MPI to be initialised first (an MpiSession)");
@@ -83,13 +85,38 @@ const MpiCollectives::Comm& MpiCollectives::CommFor(int replica, const ReplicaGr
   return *(comms_[group] = c.release());
 }
 
+void MpiCollectives::Wait(void* request, const char* what, const ReplicaGroup& group) {
+  auto* req = static_cast<MPI_Request*>(request);
+  const auto start = std::chrono::steady_clock::now();
+  for (int polls = 0;; ++polls) {
+    int done = 0;
+    Check(MPI_Test(req, &done, MPI_STATUS_IGNORE), what);
+    if (done) return;
+    // Spin briefly (most collectives finish in microseconds), then poll without taking a core.
+    if (polls < 1000) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (timeout_seconds_ > 0 && waited > timeout_seconds_) {
+      std::string members;
+      for (int64_t r : group) members += (members.empty() ? "" : ",") + std::to_string(r);
+      Abort(Str(what, " over replicas {", members, "} did not complete within ", timeout_seconds_,
+                " s (--collective-timeout): another rank is hung or gone"));
+    }
+  }
+}
+
 void MpiCollectives::ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n,
                                    Reduction op) {
   const Comm& c = CommFor(replica, group, "reduce-scatter");
   const int count = CountArg(n, "reduce-scatter");
   scratch_.resize(static_cast<size_t>(n) * c.size);
   // scratch_[p*n ..] = member p's copy of my chunk.
-  Check(MPI_Alltoall(in, count, MPI_FLOAT, scratch_.data(), count, MPI_FLOAT, c.comm), "MPI_Alltoall");
+  MPI_Request req;
+  Check(MPI_Ialltoall(in, count, MPI_FLOAT, scratch_.data(), count, MPI_FLOAT, c.comm, &req), "MPI_Ialltoall");
+  Wait(&req, "reduce-scatter", group);
   std::copy_n(scratch_.data(), n, out);
   for (int p = 1; p < c.size; ++p) {
     const float* x = scratch_.data() + static_cast<size_t>(p) * n;
@@ -108,7 +135,9 @@ void MpiCollectives::ReduceScatter(int replica, const ReplicaGroup& group, const
 void MpiCollectives::AllGather(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n) {
   const Comm& c = CommFor(replica, group, "all-gather");
   const int count = CountArg(n, "all-gather");
-  Check(MPI_Allgather(in, count, MPI_FLOAT, out, count, MPI_FLOAT, c.comm), "MPI_Allgather");
+  MPI_Request req;
+  Check(MPI_Iallgather(in, count, MPI_FLOAT, out, count, MPI_FLOAT, c.comm, &req), "MPI_Iallgather");
+  Wait(&req, "all-gather", group);
 }
 
 void MpiCollectives::AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n, Reduction op) {
@@ -126,11 +155,15 @@ void MpiCollectives::AllReduce(int replica, const ReplicaGroup& group, float* da
 void MpiCollectives::Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) {
   const Comm& c = CommFor(replica, group, "broadcast");
   if (root < 0 || root >= c.size) throw Error(Str("broadcast: root position ", root, " is not in a group of ", c.size));
-  Check(MPI_Bcast(data, CountArg(n, "broadcast"), MPI_FLOAT, root, c.comm), "MPI_Bcast");
+  MPI_Request req;
+  Check(MPI_Ibcast(data, CountArg(n, "broadcast"), MPI_FLOAT, root, c.comm, &req), "MPI_Ibcast");
+  Wait(&req, "broadcast", group);
 }
 
 void MpiCollectives::Barrier(int replica, const ReplicaGroup& group) {
-  Check(MPI_Barrier(CommFor(replica, group, "barrier").comm), "MPI_Barrier");
+  MPI_Request req;
+  Check(MPI_Ibarrier(CommFor(replica, group, "barrier").comm, &req), "MPI_Ibarrier");
+  Wait(&req, "barrier", group);
 }
 
 void MpiCollectives::Abort(const std::string& why) {

@@ -8,7 +8,8 @@
 //   AllReduce:     ReduceScatter of the (zero-padded) buffer, then AllGather: element j is folded in
 //                  group order, exactly as the in-process fold does it.
 // Groups become MPI communicators, created once per distinct group (MPI_Comm_create_group: only the
-// members take part) and cached.
+// members take part) and cached. With a timeout, a collective that has not completed after that many
+// seconds (a rank hung or gone without the job noticing) aborts the job naming the collective and rank.
 #pragma once
 
 #include <map>
@@ -36,7 +37,8 @@ class MpiSession {
 
 class MpiCollectives final : public Collectives {
  public:
-  MpiCollectives();  // needs a live MpiSession
+  // Needs a live MpiSession. timeout_seconds <= 0: wait forever.
+  explicit MpiCollectives(double timeout_seconds = 0);
   ~MpiCollectives() override;
 
   int num_replicas() const override { return size_; }
@@ -54,8 +56,11 @@ class MpiCollectives final : public Collectives {
  private:
   struct Comm;
   const Comm& CommFor(int replica, const ReplicaGroup& group, const char* what);
+  // Waits for a nonblocking collective (an MPI_Request), within the timeout.
+  void Wait(void* request, const char* what, const ReplicaGroup& group);
 
   int rank_ = 0, size_ = 1;
+  double timeout_seconds_ = 0;
   std::map<ReplicaGroup, Comm*> comms_;
   std::vector<float> scratch_, padded_;
 };

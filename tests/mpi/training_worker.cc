@@ -2,12 +2,15 @@
 // one replica per rank (the JIT'd step of replica `rank`, reading its chunk of each global batch, over
 // MpiCollectives), then gather the logical state; rank 0 trains the same program in process with K
 // replica threads and compares every variable bit for bit, and the losses. Exit 1 on a difference.
+// --fail-how hang makes rank R sleep forever instead; --collective-timeout T makes the others give up after T s.
 //   training_worker [--model mlp|cnn] --optimizer adam|lamb --shard on|off [--steps N] [--fail-rank R --fail-step S --fail-how throw|kill]
 // --first-step F starts at batch F (after F steps); --load PATH starts from a checkpoint; --save PATH: rank 0
 // writes the gathered logical state after the last step. Rank 0 prints "loss <step> <value>" for every step.
 // With --fail-*, rank R throws (caught: MpiCollectives::Abort names the rank and ends the job) or is killed
 // (SIGKILL: mpirun notices and ends the job) before its step S; the test checks that every rank is gone soon.
+#include <chrono>
 #include <csignal>
+#include <thread>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -31,6 +34,7 @@ int main(int argc, char** argv) {
   runtime::MpiSession session(&argc, &argv);
   std::string model = "mlp", optimizer = "adam", shard = "off", fail_how = "throw";
   int steps = 20, fail_rank = -1, fail_step = -1, first_step = 0;
+  double timeout = 0;
   std::string load, save;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
@@ -42,6 +46,7 @@ int main(int argc, char** argv) {
     else if (k == "--fail-step") fail_step = std::stoi(v);
     else if (k == "--fail-how") fail_how = v;
     else if (k == "--first-step") first_step = std::stoi(v);
+    else if (k == "--collective-timeout") timeout = std::stod(v);
     else if (k == "--load") load = v;
     else if (k == "--save") save = v;
     else {
@@ -49,7 +54,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  runtime::MpiCollectives mpi;
+  runtime::MpiCollectives mpi(timeout);
   const int K = session.size(), me = session.rank();
   constexpr int64_t kBatch = 48;  // divisible by 2, 3 and 4
 
@@ -88,6 +93,8 @@ int main(int argc, char** argv) {
     for (int i = 0; i < steps; ++i) {
       if (me == fail_rank && i + 1 == fail_step) {
         if (fail_how == "kill") std::raise(SIGKILL);
+        if (fail_how == "hang")
+          for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
         throw Error(Str("the data file went away at step ", i + 1));
       }
       losses.push_back(step->Run(state, batches[i], me, &mpi, &ws, K).at("loss").f32[0]);

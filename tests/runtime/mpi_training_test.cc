@@ -64,13 +64,14 @@ TEST_CASE("MLP and CNN training over 2 and 4 MPI ranks is bitwise the in-process
 
 // A rank that fails ends the whole job soon, with a message naming it: one that throws through
 // MpiCollectives::Abort ("shardstep: rank 1 failed: ..."), one killed by SIGKILL through mpirun, which
-// names the rank. The other ranks are blocked in a collective at that point; nothing may hang.
+// names the rank, one that hangs through the other ranks' collective timeout (2 s here), whose message names
+// the collective and the aborting rank. The other ranks are blocked in a collective; nothing may hang.
 TEST_CASE("a failing or killed rank ends every rank within 10 s, naming it", "[mpi]") {
-  for (const char* how : {"throw", "kill"}) {
+  for (const char* how : {"throw", "kill", "hang"}) {
     std::string out;
     const std::string cmd = "timeout 60 mpirun --allow-run-as-root --oversubscribe --mca btl_vader_single_copy_mechanism "
                             "none -np 4 " SS_BINARY_DIR "/mpi_training_worker --optimizer adam --shard on --steps 20 "
-                            "--fail-rank 1 --fail-step 5 --fail-how " + std::string(how);
+                            "--fail-rank 1 --fail-step 5 --collective-timeout 2 --fail-how " + std::string(how);
     const auto t0 = std::chrono::steady_clock::now();
     const int rc = Run(cmd, &out);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -80,9 +81,12 @@ TEST_CASE("a failing or killed rank ends every rank within 10 s, naming it", "[m
     CHECK(seconds < 10);
     if (std::string(how) == "throw") {
       CHECK(out.find("shardstep: rank 1 failed: the data file went away at step 5") != std::string::npos);
-    } else {
+    } else if (std::string(how) == "kill") {
       CHECK(out.find("rank 1") != std::string::npos);
       CHECK(out.find("signal 9") != std::string::npos);
+    } else {  // rank 1 hangs: the others' collectives time out after 2 s
+      CHECK(out.find("did not complete within 2 s (--collective-timeout)") != std::string::npos);
+      CHECK(seconds > 2);
     }
     CHECK(out.find("bitwise equal") == std::string::npos);
   }
