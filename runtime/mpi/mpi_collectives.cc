@@ -117,6 +117,7 @@ void MpiCollectives::ReduceScatter(int replica, const ReplicaGroup& group, const
   MPI_Request req;
   Check(MPI_Ialltoall(in, count, MPI_FLOAT, scratch_.data(), count, MPI_FLOAT, c.comm, &req), "MPI_Ialltoall");
   Wait(&req, "reduce-scatter", group);
+  bytes_sent_ += static_cast<int64_t>(c.size - 1) * n * static_cast<int64_t>(sizeof(float));
   std::copy_n(scratch_.data(), n, out);
   for (int p = 1; p < c.size; ++p) {
     const float* x = scratch_.data() + static_cast<size_t>(p) * n;
@@ -138,6 +139,7 @@ void MpiCollectives::AllGather(int replica, const ReplicaGroup& group, const flo
   MPI_Request req;
   Check(MPI_Iallgather(in, count, MPI_FLOAT, out, count, MPI_FLOAT, c.comm, &req), "MPI_Iallgather");
   Wait(&req, "all-gather", group);
+  bytes_sent_ += static_cast<int64_t>(c.size - 1) * n * static_cast<int64_t>(sizeof(float));
 }
 
 void MpiCollectives::AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n, Reduction op) {
@@ -158,6 +160,7 @@ void MpiCollectives::Broadcast(int replica, const ReplicaGroup& group, float* da
   MPI_Request req;
   Check(MPI_Ibcast(data, CountArg(n, "broadcast"), MPI_FLOAT, root, c.comm, &req), "MPI_Ibcast");
   Wait(&req, "broadcast", group);
+  if (c.position == root) bytes_sent_ += static_cast<int64_t>(c.size - 1) * n * static_cast<int64_t>(sizeof(float));
 }
 
 void MpiCollectives::Barrier(int replica, const ReplicaGroup& group) {

@@ -43,6 +43,10 @@ class MpiCollectives final : public Collectives {
 
   int num_replicas() const override { return size_; }
   int rank() const { return rank_; }
+  // Payload bytes this rank has handed to MPI for other ranks so far: what the algorithm must deliver
+  // ((g-1) chunks per reduce-scatter or all-gather, (g-1) shards of each for an all-reduce), not what
+  // MPI's own transport adds.
+  int64_t bytes_sent() const { return bytes_sent_; }
 
   void AllReduce(int replica, const ReplicaGroup& group, float* data, int64_t n, Reduction op) override;
   void ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n,
@@ -61,6 +65,7 @@ class MpiCollectives final : public Collectives {
 
   int rank_ = 0, size_ = 1;
   double timeout_seconds_ = 0;
+  int64_t bytes_sent_ = 0;
   std::map<ReplicaGroup, Comm*> comms_;
   std::vector<float> scratch_, padded_;
 };
