@@ -3,21 +3,19 @@
 // rank's result against the in-process run). Starts mpirun itself (as root: --allow-run-as-root).
 #include <catch2/catch.hpp>
 
+#include "tests/cli/cli_util.h"
+
 #include <cstdio>
 #include <regex>
 #include <string>
 
 namespace {
 
-// Runs `cmd`, returns its exit status and stdout+stderr.
+// Runs `cmd` (sh), returns its exit status and fills `output` with its stdout + stderr.
 int Run(const std::string& cmd, std::string* output) {
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  size_t got;
-  while ((got = fread(buf, 1, sizeof buf, p)) > 0) output->append(buf, got);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128;
+  const cli_test::Result r = cli_test::Shell(cmd);
+  *output = r.output;
+  return r.status;
 }
 
 }  // namespace
