@@ -1,15 +1,11 @@
-// Config files: a strict reader for the subset of TOML that `--config FILE` takes, and its
-// application to a command's flags. Every problem is a shardstep::Error "FILE:LINE: message".
-//
-// The subset: `[table]` headers (bare names), `key = value` lines with a bare or quoted key, values
-// that are strings ("basic" with escapes, or 'literal'), integers, floats, booleans, or arrays of
-// those (on one or several lines, trailing comma allowed); `#` comments; blank lines. Everything else
-// TOML has (dotted keys, inline tables, multi-line strings, dates, arrays of tables) is an error that
-// says it is not supported, never silently skipped.
+// Config files (`--config FILE`): read by the strict TOML-subset reader (runtime/toml_subset.h) and
+// applied to a command's flags. Every problem is a shardstep::Error "FILE:LINE: message".
 #pragma once
 
 #include <string>
 #include <vector>
+
+#include "runtime/toml_subset.h"
 
 namespace CLI {
 class App;
@@ -17,36 +13,12 @@ class App;
 
 namespace shardstep::cli {
 
-struct ConfigValue {
-  enum class Kind { kString, kInteger, kFloat, kBool, kArray };
-  Kind kind = Kind::kString;
-  std::string text;                // the value as a flag would spell it (strings unquoted and unescaped)
-  std::vector<ConfigValue> items;  // kArray only (scalars; nested arrays are rejected)
-};
-
-struct ConfigEntry {
-  std::string table;  // "" for keys before the first table header
-  std::string key;
-  ConfigValue value;
-  int line = 0;
-};
-
-struct ConfigTable {
-  std::string name;
-  int line = 0;
-};
-
-struct ConfigFile {
-  std::string path;
-  std::vector<ConfigTable> tables;
-  std::vector<ConfigEntry> entries;  // in file order
-};
-
-// Parses `text` (the contents of `path`, used in messages). Rejects bad syntax, duplicate tables and
-// duplicate keys within a table.
-ConfigFile ParseConfig(const std::string& text, const std::string& path);
-// Reads and parses the file at `path` ("cannot read FILE: reason" when it cannot be read).
-ConfigFile ReadConfigFile(const std::string& path);
+using runtime::ConfigEntry;
+using runtime::ConfigFile;
+using runtime::ConfigTable;
+using runtime::ConfigValue;
+using runtime::ParseConfig;
+using runtime::ReadConfigFile;
 
 // Checks every table of `file` against the subcommands of `app` (a table names a subcommand; its keys
 // are that subcommand's long flags without "--") and every key against its table, with "did you
