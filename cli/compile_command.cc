@@ -138,8 +138,9 @@ Command AddCompileCommand(CLI::App& app) {
   CLI::Option* passes =
       cmd->add_option("--passes", c->passes,
                       "run these passes in order, verifying before and after each: comma-separated names from "
-                      "autodiff, data-parallel-lowering, optimizer-lowering, weight-update-sharder, "
-                      "collective-combiner, elementwise-fuser; 'all' is the training pipeline; empty: none")
+                      "autodiff, data-parallel-lowering, optimizer-lowering, nonfinite-guard, weight-update-sharder, "
+                      "shard-order-reductions, collective-combiner, elementwise-fuser; 'all' is the training "
+                      "pipeline; empty: none")
           ->expected(0, 1);
   for (CLI::Option* o : model) ir->excludes(o);
   ir->excludes(emit)->excludes(report);

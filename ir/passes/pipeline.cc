@@ -46,11 +46,12 @@ namespace {
 
 // The training pipeline's passes in order.
 const char* const kTrainingPasses[] = {"autodiff", "data-parallel-lowering", "optimizer-lowering", "nonfinite-guard",
-                                       "weight-update-sharder", "collective-combiner"};
+                                       "weight-update-sharder", "shard-order-reductions", "collective-combiner"};
 
 // Whether the training pipeline built from `o` runs pass `n`.
 bool RunsInTraining(const std::string& n, const PipelineOptions& o) {
   if (n == "weight-update-sharder") return o.shard_weight_update;
+  if (n == "shard-order-reductions") return !o.shard_weight_update;  // the replicated update, in sharded order
   if (n == "nonfinite-guard") return o.nonfinite_guard;
   return true;
 }
@@ -70,6 +71,7 @@ std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& o
   if (name == "nonfinite-guard") return std::make_unique<NonfiniteGuard>();
   if (name == "weight-update-sharder")
     return std::make_unique<WeightUpdateSharder>(ShardingOptions{o.group_size, o.gather_at_start});
+  if (name == "shard-order-reductions") return std::make_unique<ShardOrderReductions>(ShardingOptions{o.group_size});
   if (name == "collective-combiner") return std::make_unique<CollectiveCombiner>(o.combine_bytes, o.combine_count);
   if (name == "elementwise-fuser") return std::make_unique<ElementwiseFuser>();
   std::string known;
@@ -94,6 +96,7 @@ PassPipeline BuildTrainingPipeline(const PipelineOptions& o) {
   PassPipeline p;
   for (const char* n : kTrainingPasses) p.Add(MakePass(n, o));
   if (!o.shard_weight_update) p.Disable("weight-update-sharder");
+  else p.Disable("shard-order-reductions");
   if (!o.nonfinite_guard) p.Disable("nonfinite-guard");
   return p;
 }

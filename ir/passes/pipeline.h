@@ -53,7 +53,8 @@ struct PipelineOptions {
   bool nonfinite_guard = false;
 };
 
-// autodiff -> data-parallel-lowering -> optimizer-lowering -> [nonfinite-guard] -> weight-update-sharder
+// autodiff -> data-parallel-lowering -> optimizer-lowering -> [nonfinite-guard] -> weight-update-sharder (sharded)
+// or shard-order-reductions (not sharded: the update's norms in the sharded order, so both give the same bits)
 // -> collective-combiner
 PassPipeline BuildTrainingPipeline(const PipelineOptions& options);
 
@@ -64,9 +65,9 @@ std::vector<std::string> KnownPassNames();
 // "unknown pass 'x' (known passes: autodiff, ...)" for any other name.
 std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& options);
 // A pipeline of the passes `names`, in that order; "all" stands for the training pipeline's passes
-// (BuildTrainingPipeline: weight-update-sharder only when options.shard_weight_update, nonfinite-guard
-// only when options.nonfinite_guard). A name given
-// twice runs twice. Throws as MakePass for an unknown name.
+// (BuildTrainingPipeline: weight-update-sharder only when options.shard_weight_update, shard-order-reductions
+// only when not, nonfinite-guard only when options.nonfinite_guard). A name given twice runs twice. Throws as
+// MakePass for an unknown name.
 PassPipeline BuildPipeline(const std::vector<std::string>& names, const PipelineOptions& options);
 
 }  // namespace shardstep::ir

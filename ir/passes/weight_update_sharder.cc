@@ -24,6 +24,13 @@
 //       anything else         -> fallback: runs replicated on all-gathered values, and is reported
 //  5. Assignments: sharded variables take the new shard; weights take unformat(all-gather(shard)).
 // The old update ops become dead and Canonicalize drops them.
+//
+// ShardOrderReductions (the update left replicated, groups of g > 1) runs steps 1-2b and rewrites only the full
+// reductions step 4 would partition: each is computed as the sharded program computes it (the same g shard-shaped
+// partial reductions, folded in replica order), so sharding on or off gives the same bits for LAMB, LARS and
+// clipping too. Rule: a backend's reduction depends only on (op, operand shape, values), elementwise ops are exact
+// per element (no FMA contraction), and a collective folds in replica order; so equal shards give equal partials and
+// equal folds give equal norms.
 #include "ir/passes/weight_update_sharder.h"
 
 #include <algorithm>
@@ -57,7 +64,7 @@ class Rewriter {
   IntLists groups_;
   std::vector<ValueId> shard_, full_;
   std::vector<char> in_region_;
-  std::vector<std::string> fallbacks_;
+  std::vector<std::string> fallbacks_, reductions_;
   ValueId pos_ = kNoValue;
   std::map<Shape, ValueId> masks_;
 
@@ -163,12 +170,23 @@ class Rewriter {
     Fallback(v, in);
   }
 
-  // A reduction to a scalar of a rank >= 1 value: partial on the shard, all-reduce of the result.
+  // A reduction to a scalar of a rank >= 1 value: the reductions the sharder partitions and ShardOrderReductions
+  // computes in the sharded order.
+  bool IsFullReduction(ValueId v) const {
+    const Instr& in = m_.at(v);
+    return HasProperty(in.op, kReduction) && in.type.shape.empty() && !m_.type(in.operands[0]).shape.empty();
+  }
+  std::string Describe(ValueId v) const {
+    const Instr& in = m_.at(v);
+    return Str("%", v, " ", OpName(in.op), "(", LogicalShapeText(in.operands[0]), ")");
+  }
+  std::string LogicalShapeText(ValueId x) const { return TensorType{m_.type(x).dtype, LogicalShape(x)}.ToString(); }
+
+  // A full reduction: partial on the shard, all-reduce of the result.
   bool RewriteFullReduction(ValueId v) {
+    if (!IsFullReduction(v)) return false;
     const Instr in = m_.at(v);
-    if (!HasProperty(in.op, kReduction) || !in.type.shape.empty()) return false;
     ValueId x = in.operands[0];
-    if (m_.type(x).shape.empty()) return false;
     ShardFormat f = Format(LogicalShape(x));
     ValueId local = Shard(x);
     const bool is_max = in.op == OpCode::kReduceMax;
@@ -184,7 +202,49 @@ class Rewriter {
     ValueId total = b_.Emit(OpCode::kAllReduce, {partial}, a);
     if (in.op == OpCode::kReduceMean) total = b_.Div(total, b_.Scalar(static_cast<double>(NumElements(f.logical))));
     full_[v] = total;
+    const char* what = is_max ? "max" : "sum";
+    reductions_.push_back(Str(Describe(v), ": partial ", what, " of each ", ShapeToString(f.ShardShape()), " shard",
+                              f.padding ? " (padding masked)" : "", ", all_reduce(", what, ") of the scalar"));
     return true;
+  }
+
+  // The replicated update (no sharding, g > 1) computes full reduction v in the sharded program's order, so that
+  // sharding changes no bits: x is laid out as the sharder lays it out (ToFormatted: dim-0 rows, or flattened and
+  // zero-padded), each of the g shards is reduced on its own with the op and the shard shape RewriteFullReduction
+  // uses (a backend's reduction is a function of the operand's shape and values only), and the g scalars are
+  // folded in replica order, as the all-reduce of the partials folds them (InProcessCollectives: f32
+  // ((p0 + p1) + p2) + ..., or max). Returns the value that replaces v; no communication.
+  ValueId ShardOrderReduction(ValueId v) {
+    const Instr in = m_.at(v);
+    ValueId x = in.operands[0];
+    ShardFormat f = Format(m_.type(x).shape);
+    const bool is_max = in.op == OpCode::kReduceMax;
+    ValueId formatted = ToFormatted(x);
+    const Shape shard = f.ShardShape();
+    const IntList axes = AllAxes(static_cast<int64_t>(shard.size()));
+    ValueId ones = kNoValue;  // the sharded program's mask, before slicing (max with padding only)
+    ValueId total = kNoValue;
+    for (int64_t i = 0; i < g_; ++i) {
+      IntList start(shard.size(), 0), limit(shard.begin(), shard.end());
+      start[0] = i * shard[0];
+      limit[0] = (i + 1) * shard[0];
+      ValueId local = b_.Slice(formatted, start, limit);
+      // Sums: the zero padding is what the sharded program's select puts there. Max: -inf, as it does.
+      if (f.padding && is_max) {
+        if (ones == kNoValue)
+          ones = b_.Pad(b_.Constant(1.0, {DType::kF32, {NumElements(f.logical)}}), {0}, {f.padding});
+        local = b_.Select(b_.Slice(ones, start, limit), local,
+                          b_.ScalarLike(-std::numeric_limits<double>::infinity(), local));
+      }
+      ValueId partial = is_max ? b_.ReduceMax(local, axes) : b_.ReduceSum(local, axes);
+      // The collective folds out = op(out, p_i): out + p_i for sums; for max, Max(p_i, out) picks as MaxOf does.
+      total = total == kNoValue ? partial : is_max ? b_.Emit(OpCode::kMax, {partial, total}) : b_.Add(total, partial);
+    }
+    if (in.op == OpCode::kReduceMean) total = b_.Div(total, b_.Scalar(static_cast<double>(NumElements(f.logical))));
+    reductions_.push_back(Str(Describe(v), ": ", g_, " partial ", is_max ? "maxima" : "sums", " of ",
+                              ShapeToString(f.ShardShape()), " shards", f.padding ? " (zero-padded)" : "",
+                              ", folded in replica order"));
+    return total;
   }
 
   void Fallback(ValueId v, const Instr& in) {
@@ -253,13 +313,22 @@ IntLists ExplicitGroups(int num_replicas, int group_size) {
   return groups;
 }
 
-}  // namespace
+// The weight-update region (steps 1-2b) and one Rewriter per grouping of its chains: what the sharder rebuilds on
+// shards and where ShardOrderReductions finds the same full reductions.
+struct UpdateRegion {
+  std::vector<char> per, region;
+  std::vector<std::unique_ptr<Rewriter>> rewriters;  // [0] also takes the replicated scalars
+  std::vector<Rewriter*> rw_of;                      // per value: its chain's Rewriter (region values, grouped ones)
+  Rewriter& at(ValueId v) { return rw_of[v] ? *rw_of[v] : *rewriters[0]; }
+};
 
-bool WeightUpdateSharder::Run(Module& m) {
-  report_ = {};
-  if (o_.group_size == 1) return false;
-  const Module before = m;
-  const std::string where = Str("weight-update-sharder: module ", PrintName(m.name), ": ");
+bool IsModelState(const Module& m, ValueId var) { return m.at(var).GetString("role", "") == kRoleModelState; }
+
+// Steps 1-2b; throws (naming `pass`) on replica groups the sharder cannot shard within. False when there is nothing
+// to shard: groups of one replica, no update, an already-sharded module.
+bool FindUpdateRegion(Module& m, int group_size, const std::string& pass, UpdateRegion* out) {
+  if (group_size == 1) return false;
+  const std::string where = Str(pass, ": module ", PrintName(m.name), ": ");
   // Each gradient all-reduce shards within its own replica groups (contiguous blocks of equal size,
   // the layout ReplicaState and LogicalStateFrom reshard with); the options' group size, when given,
   // must agree with every one of them.
@@ -276,8 +345,8 @@ bool WeightUpdateSharder::Run(Module& m) {
     const Instr& in = m.at(v);
     if (in.op != OpCode::kAllReduce || in.type.shape.empty() || feeds_per_replica[v]) continue;
     const int64_t ar_group = GroupSize(in, m.num_replicas);
-    if (o_.group_size > 0 && ar_group != o_.group_size)
-      throw Error(Str(where, "group size ", o_.group_size, " disagrees with %", v, " (all_reduce) over groups ",
+    if (group_size > 0 && ar_group != group_size)
+      throw Error(Str(where, "group size ", group_size, " disagrees with %", v, " (all_reduce) over groups ",
                       GroupsText(ReplicaGroups(in, m.num_replicas)), " of ", ar_group, " replicas"));
     IntLists contiguous = ContiguousGroups(m.num_replicas, static_cast<int>(ar_group));
     if (!contiguous.empty() && ReplicaGroups(in, m.num_replicas) != contiguous)
@@ -299,7 +368,7 @@ bool WeightUpdateSharder::Run(Module& m) {
   std::vector<ValueId> work;
   // Model state (batch-norm running statistics) is assigned by the forward pass: not part of the
   // weight update, kept replicated with its assignment as it is.
-  auto is_model_state = [&](ValueId var) { return m.at(var).GetString("role", "") == kRoleModelState; };
+  auto is_model_state = [&](ValueId var) { return IsModelState(m, var); };
   for (auto& [var, val] : m.assigns)
     if (!per[val] && !is_model_state(var)) work.push_back(val);
   while (!work.empty()) {
@@ -342,8 +411,8 @@ bool WeightUpdateSharder::Run(Module& m) {
   std::map<ValueId, std::vector<ValueId>> entries;  // chain -> its rank >= 1 all-reduces
   for (ValueId v = 0; v < n; ++v)
     if (region[v] && m.at(v).op == OpCode::kAllReduce && grouped[v]) entries[chains.Find(v)].push_back(v);
-  IntLists default_groups = ExplicitGroups(m.num_replicas, o_.group_size);
-  if (o_.group_size <= 0) {
+  IntLists default_groups = ExplicitGroups(m.num_replicas, group_size);
+  if (group_size <= 0) {
     std::vector<IntLists> seen;
     for (auto& [chain, ars] : entries)
       for (ValueId a : ars)
@@ -390,11 +459,31 @@ bool WeightUpdateSharder::Run(Module& m) {
     if (region[v] && !rw_of[v]) rw_of[v] = rewriters[0].get();
   for (ValueId v = 0; v < n; ++v)
     if (region[v]) rw_of[v]->in_region_[v] = 1;
-  auto rw_at = [&](ValueId v) -> Rewriter& { return rw_of[v] ? *rw_of[v] : *rewriters[0]; };
-  report_.group_size = static_cast<int>(rewriters[0]->g_);
   bool any = false;
   for (auto& rw : rewriters) any |= rw->g_ > 1;
-  if (!any) return false;  // every update is reduced within groups of one replica: nothing to shard
+  out->per = per;
+  out->region = std::move(region);
+  out->rewriters = std::move(rewriters);
+  out->rw_of = std::move(rw_of);
+  return any;  // false: every update is reduced within groups of one replica, nothing to shard
+}
+
+}  // namespace
+
+bool WeightUpdateSharder::Run(Module& m) {
+  report_ = {};
+  const Module before = m;
+  UpdateRegion u;
+  const bool found = FindUpdateRegion(m, o_.group_size, name(), &u);
+  if (!u.rewriters.empty()) report_.group_size = static_cast<int>(u.rewriters[0]->g_);
+  if (!found) return false;
+  const int n = m.size();
+  const std::vector<char>& per = u.per;
+  const std::vector<char>& region = u.region;
+  std::vector<std::unique_ptr<Rewriter>>& rewriters = u.rewriters;
+  std::vector<Rewriter*>& rw_of = u.rw_of;
+  auto rw_at = [&](ValueId v) -> Rewriter& { return u.at(v); };
+  auto is_model_state = [&](ValueId var) { return IsModelState(m, var); };
   auto users = m.Users();
 
   // 3. Sharded variables.
@@ -466,7 +555,8 @@ bool WeightUpdateSharder::Run(Module& m) {
       rw.full_[v] = v;
       continue;
     }
-    if (!rw.RewriteFullReduction(v)) rw.Rewrite(v);
+    if (rw.RewriteFullReduction(v)) report_.reductions.push_back(rw.reductions_.back());
+    else rw.Rewrite(v);
   }
   for (auto& rw : rewriters) report_.fallbacks.insert(report_.fallbacks.end(), rw->fallbacks_.begin(), rw->fallbacks_.end());
 
@@ -482,6 +572,30 @@ bool WeightUpdateSharder::Run(Module& m) {
   m.gradients.clear();
   m.Canonicalize();
   return !(m == before);
+}
+
+bool ShardOrderReductions::Run(Module& m) {
+  reductions_.clear();
+  UpdateRegion u;
+  try {
+    if (!FindUpdateRegion(m, o_.group_size, name(), &u)) return false;
+  } catch (const Error&) {
+    return false;  // the sharder refuses this module (its replica groups): there is no sharded program to agree with
+  }
+  // The same reductions step 4 of the sharder partitions: full reductions in the region of a chain of g > 1.
+  std::vector<std::pair<ValueId, ValueId>> replaced;
+  const int n = m.size();  // the rewrites append
+  for (ValueId v = 0; v < n; ++v) {
+    if (!u.region[v]) continue;
+    Rewriter& rw = u.at(v);
+    if (rw.g_ <= 1 || !rw.IsFullReduction(v)) continue;
+    replaced.push_back({v, rw.ShardOrderReduction(v)});
+    reductions_.push_back(rw.reductions_.back());
+  }
+  if (replaced.empty()) return false;
+  for (auto [from, to] : replaced) m.ReplaceAllUses(from, to);
+  m.Canonicalize();
+  return true;
 }
 
 }  // namespace shardstep::ir

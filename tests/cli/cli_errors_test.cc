@@ -234,7 +234,7 @@ TEST_CASE("an unknown pass name lists the known ones") {
   CHECK(r.status == 1);
   CHECK_THAT(r.output, Contains("shardstep: error: --passes: unknown pass 'autodif' (did you mean 'autodiff'?); known "
                                 "passes: autodiff, data-parallel-lowering, optimizer-lowering, nonfinite-guard, weight-update-sharder, "
-                                "collective-combiner, elementwise-fuser, all"));
+                                "shard-order-reductions, collective-combiner, elementwise-fuser, all"));
   r = Run("compile --model mlp --hidden 8 --batch 4 --passes=bogus");
   CheckOneLineError(r);
   CHECK_THAT(r.output, Contains("unknown pass 'bogus'; known passes: autodiff,"));

@@ -3,6 +3,7 @@
 // (InProcessCollectives), bitwise equal for elementwise updates, within 1e-6 where norms are involved.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,7 @@
 #include "ir/passes/autodiff.h"
 #include "ir/passes/data_parallel_lowering.h"
 #include "ir/passes/optimizer_lowering.h"
+#include "ir/passes/pipeline.h"
 #include "runtime/executor.h"
 #include "ir/parser.h"
 #include "ir/passes/collective_combiner.h"
@@ -1300,6 +1302,221 @@ TEST_CASE("batch-norm running statistics (model_state) stay replicated with thei
     double moved = 0;
     for (float v : sa.at("bn.running_mean").f32) moved += std::abs(v);
     CHECK(moved > 0);
+  }
+}
+
+// ---- ShardOrderReductions: the replicated update computes its full reductions in the sharded order ----
+
+struct Ordered {
+  Module before, ordered, sharded;
+  std::string text;  // Print(ordered)
+  bool changed = false;
+  std::vector<std::string> reductions, sharded_reductions;
+};
+
+Ordered RunOrdered(const std::string& text, ShardingOptions o = {}) {
+  Ordered r;
+  r.before = ParseVerified(text);
+  r.ordered = r.sharded = r.before;
+  ShardOrderReductions pass(o);
+  r.changed = pass.Run(r.ordered);
+  Verify(r.ordered);
+  r.text = Print(r.ordered);
+  CHECK(Parse(r.text) == r.ordered);
+  r.reductions = pass.reductions();
+  WeightUpdateSharder sharder(o);
+  sharder.Run(r.sharded);
+  r.sharded_reductions = sharder.report().reductions;
+  return r;
+}
+
+// "%38 reduce_sum(f32[4,2])": which reduction a report line is about.
+std::vector<std::string> ReductionNames(const std::vector<std::string>& lines) {
+  std::vector<std::string> names;
+  for (const std::string& l : lines) names.push_back(l.substr(0, l.find(':')));
+  return names;
+}
+
+TEST_CASE("shard-order-reductions: LAMB's norms as N shard-shaped partial sums added in replica order, "
+          "no communication", "[shard-order-reductions][lamb]") {
+  Ordered r = RunOrdered(kLamb);
+  INFO(r.text);
+  CHECK(r.changed);
+  // Nothing is sharded and nothing is communicated: the two gradient all-reduces stay, the state stays whole.
+  CHECK(Count(r.text, "all_reduce(") == 2);
+  CHECK(Count(r.text, "reduce_scatter(") + Count(r.text, "all_gather(") + Count(r.text, "replica_id") == 0);
+  CHECK(Count(r.text, "shard_format") == 0);
+  // w1 [4,2] (dim0 at N=2): rows [0,2) and [2,4), each summed as the sharded program sums its [2,2] shard, then
+  // p0 + p1. w2 [3] (flat, one padding element): zero-padded to [4], halves [0,2) and [2,4), each over axis 0.
+  CHECK(FileCheck(r.text, R"C(
+    CHECK: [[W1:%\d+]] = variable @w1 {role="weight"} : f32[4,2]
+    CHECK: [[SQ:%\d+]] = mul([[W1]], [[W1]]) : f32[4,2]
+    CHECK: [[A:%\d+]] = slice([[SQ]]) {limit=[2,2], start=[0,0]} : f32[2,2]
+    CHECK-NEXT: [[PA:%\d+]] = reduce_sum([[A]]) {axes=[0,1]} : f32[]
+    CHECK-NEXT: [[B:%\d+]] = slice([[SQ]]) {limit=[4,2], start=[2,0]} : f32[2,2]
+    CHECK-NEXT: [[PB:%\d+]] = reduce_sum([[B]]) {axes=[0,1]} : f32[]
+    CHECK-NEXT: [[T:%\d+]] = add([[PA]], [[PB]]) : f32[]
+    CHECK-NEXT: sqrt([[T]]) : f32[]
+  )C") == "");
+  CHECK(FileCheck(r.text, R"C(
+    CHECK: [[W2:%\d+]] = variable @w2 {role="weight"} : f32[3]
+    CHECK: [[SQ:%\d+]] = mul([[W2]], [[W2]]) : f32[3]
+    CHECK: [[PAD:%\d+]] = pad([[SQ]]) {high=[1], low=[0]} : f32[4]
+    CHECK-NEXT: [[A:%\d+]] = slice([[PAD]]) {limit=[2], start=[0]} : f32[2]
+    CHECK-NEXT: [[PA:%\d+]] = reduce_sum([[A]]) {axes=[0]} : f32[]
+    CHECK-NEXT: [[B:%\d+]] = slice([[PAD]]) {limit=[4], start=[2]} : f32[2]
+    CHECK-NEXT: [[PB:%\d+]] = reduce_sum([[B]]) {axes=[0]} : f32[]
+    CHECK-NEXT: add([[PA]], [[PB]]) : f32[]
+  )C") == "");
+  // No whole-tensor reduction is left: every reduce_sum reads a shard-shaped value, as in the sharded program.
+  for (const Instr& in : r.ordered.instrs)
+    if (in.op == OpCode::kReduceSum) CHECK((r.ordered.type(in.operands[0]).shape == Shape{2, 2} ||
+                                             r.ordered.type(in.operands[0]).shape == Shape{2}));
+  // The same four norms as the sharder partitions, reported as such.
+  REQUIRE(r.reductions.size() == 4);
+  CHECK(ReductionNames(r.reductions) == ReductionNames(r.sharded_reductions));
+  CHECK_THAT(r.reductions[0], Catch::StartsWith("%38 reduce_sum(f32[4,2]): 2 partial sums of [2,2] shards"));
+  CHECK_THAT(r.sharded_reductions[0], Catch::StartsWith("%38 reduce_sum(f32[4,2]): partial sum of each [2,2] shard"));
+  CHECK_THAT(r.reductions[3], Catch::Contains("reduce_sum(f32[3]): 2 partial sums of [2] shards (zero-padded)"));
+  // The point: sharding on or off now gives the same bits; the whole-tensor sums did not (the module is
+  // unchanged otherwise, so it still trains as before up to rounding).
+  EXPECT_SAME_TRAINING(r.ordered, r.sharded, /*tol=*/0);
+  int differ = 0;
+  for (unsigned seed = 1; seed <= 20; ++seed)
+    differ += ::shardstep::ir::testing::TrainingDifference(r.before, r.sharded, 0, 0, 10, seed) != "";
+  WARN("whole-tensor norms differ bitwise from the sharded ones for " << differ << " of 20 seeds");
+  CHECK(differ > 0);
+  EXPECT_SAME_TRAINING(r.ordered, r.before, /*tol=*/1e-6);
+}
+
+TEST_CASE("shard-order-reductions: bitwise equal to the sharded update for clipping, padding (sum, max, mean) and "
+          "replica groups", "[shard-order-reductions]") {
+  struct Case {
+    const char* name;
+    const char* text;
+    int group_size;
+    size_t reductions;
+  };
+  for (const Case& c : {Case{"clip", kClip, 0, 3}, Case{"padded", kPadded, 0, 3}, Case{"groups", kGroups, 4, 3},
+                        Case{"lamb", kLamb, 0, 4}}) {
+    INFO(c.name);
+    ShardingOptions o;
+    o.group_size = c.group_size;
+    Ordered r = RunOrdered(c.text, o);
+    INFO(r.text);
+    CHECK(r.changed);
+    CHECK(r.reductions.size() == c.reductions);
+    CHECK(ReductionNames(r.reductions) == ReductionNames(r.sharded_reductions));
+    for (int seed : {7, 8, 9}) {
+      INFO("seed " << seed);
+      CHECK(::shardstep::ir::testing::TrainingDifference(r.ordered, r.sharded, 0, c.group_size, 3, seed) == "");
+    }
+  }
+  SECTION("padded max: the padding is -inf, as the sharded mask makes it") {
+    Ordered r = RunOrdered(kPadded);
+    INFO(r.text);
+    CHECK(FileCheck(r.text, R"C(
+      CHECK: [[ONES:%\d+]] = constant {value=1.0} : f32[15]
+      CHECK-NEXT: [[OPAD:%\d+]] = pad([[ONES]]) {high=[1], low=[0]} : f32[16]
+      CHECK: [[M:%\d+]] = slice([[OPAD]]) {limit=[16], start=[8]} : f32[8]
+      CHECK: select([[M]], {{%\d+}}, {{%\d+}}) : f32[8]
+      CHECK: [[PM:%\d+]] = reduce_max({{%\d+}}) {axes=[0]} : f32[]
+      CHECK-NEXT: max([[PM]], {{%\d+}}) : f32[]
+    )C") == "");
+    // The mean: the sum of the two halves' sums, then divided by the 15 real elements.
+    int means = 0;
+    for (const Instr& in : r.ordered.instrs) {
+      if (in.op != OpCode::kDiv || !in.type.shape.empty()) continue;
+      const Instr& sum = r.ordered.at(in.operands[0]);
+      const Instr& count = r.ordered.at(in.operands[1]);
+      if (count.op != OpCode::kConstant || count.GetFloat("value") != 15.0) continue;
+      ++means;
+      REQUIRE(sum.op == OpCode::kAdd);
+      for (ValueId half : sum.operands) {
+        CHECK(r.ordered.at(half).op == OpCode::kReduceSum);
+        CHECK(r.ordered.type(r.ordered.at(half).operands[0]).shape == Shape{8});
+      }
+    }
+    CHECK(means == 1);
+  }
+  SECTION("mixed replica groups: w1's norm in its own groups of 2") {
+    Ordered r = RunOrdered(kMixedGroups);
+    INFO(r.text);
+    REQUIRE(r.reductions.size() == 1);
+    CHECK_THAT(r.reductions[0], Catch::Contains("2 partial sums of [2,2] shards"));
+    CHECK(MixedGroupsDifference(r.ordered, r.sharded, /*tol=*/0) == "");
+  }
+}
+
+TEST_CASE("shard-order-reductions: no change where the sharder would not shard", "[shard-order-reductions][noop]") {
+  auto unchanged = [](const std::string& text, ShardingOptions o = {}) {
+    Module m = ParseVerified(text);
+    const std::string before = Print(m);
+    ShardOrderReductions pass(o);
+    CHECK_FALSE(pass.Run(m));
+    CHECK(Print(m) == before);
+    CHECK(pass.reductions().empty());
+  };
+  SECTION("no reduction in the update") { unchanged(kMomentum); }
+  SECTION("replicas=1") {
+    std::string text = kLamb;
+    text.replace(text.find("replicas=2"), 10, "replicas=1");
+    unchanged(text);
+  }
+  SECTION("group_size=1") {
+    ShardingOptions o;
+    o.group_size = 1;
+    unchanged(kLamb, o);
+  }
+  SECTION("a module the sharder refuses (non-contiguous groups) trains replicated as it is, no error") {
+    std::string text = kGroups;
+    for (size_t p; (p = text.find("groups=[[0,1,2,3],[4,5,6,7]]")) != std::string::npos;)
+      text.replace(p, std::string("groups=[[0,1,2,3],[4,5,6,7]]").size(), "groups=[[0,2,4,6],[1,3,5,7]]");
+    REQUIRE_THROWS(WeightUpdateSharder().Run(*std::make_unique<Module>(ParseVerified(text))));
+    unchanged(text);
+  }
+  SECTION("an already-sharded module") {
+    Module m = ParseVerified(kLamb);
+    REQUIRE(WeightUpdateSharder().Run(m));
+    unchanged(Print(m));
+  }
+}
+
+TEST_CASE("the training pipeline runs weight-update-sharder or shard-order-reductions", "[shard-order-reductions]") {
+  auto has = [](const std::vector<std::string>& v, const std::string& s) {
+    return std::find(v.begin(), v.end(), s) != v.end();
+  };
+  PipelineOptions o;
+  o.replicas = 2;
+  CHECK(has(KnownPassNames(), "shard-order-reductions"));
+  CHECK(MakePass("shard-order-reductions", o)->name() == "shard-order-reductions");
+  CHECK(has(BuildPipeline({"all"}, o).Names(), "weight-update-sharder"));
+  CHECK_FALSE(has(BuildPipeline({"all"}, o).Names(), "shard-order-reductions"));
+  o.shard_weight_update = false;
+  CHECK_FALSE(has(BuildPipeline({"all"}, o).Names(), "weight-update-sharder"));
+  CHECK(has(BuildPipeline({"all"}, o).Names(), "shard-order-reductions"));
+  // BuildTrainingPipeline on a LAMB step: exactly one of the two runs, and each rewrites both norms of each weight.
+  for (bool shard : {true, false}) {
+    INFO("shard_weight_update " << shard);
+    dsl::Model dm("tiny", 2);
+    auto x = dm.input("x", dsl::f32({8, 6}));
+    auto y = dm.input("y", dsl::s32({8}));
+    dm.train(x.dense(5, "fc1").relu().dense(3, "fc2").cross_entropy(y).mean());
+    Module m = dm.lower(2, dsl::Mode::kTrain);
+    o.shard_weight_update = shard;
+    o.optimizer = OptimizerConfig().kind(OptimizerKind::kLamb).lr(1e-2);
+    std::vector<std::string> ran;
+    size_t reductions = 0;
+    BuildTrainingPipeline(o)
+        .OnPass([&](const Pass& p, const Module&) {
+          ran.push_back(p.name());
+          if (auto* s = dynamic_cast<const WeightUpdateSharder*>(&p)) reductions = s->report().reductions.size();
+          if (auto* s = dynamic_cast<const ShardOrderReductions*>(&p)) reductions = s->reductions().size();
+        })
+        .Run(m);
+    CHECK(has(ran, "weight-update-sharder") == shard);
+    CHECK(has(ran, "shard-order-reductions") == !shard);
+    CHECK(reductions == 4);  // ||w|| and ||r|| of fc1.w and fc2.w (biases: no layer adaptation)
   }
 }
 
