@@ -2,6 +2,7 @@
 #include "api/session.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 
@@ -62,6 +63,30 @@ Tensor ConcatBatch(const std::vector<const Tensor*>& parts) {
   return out;
 }
 
+// The batch of a one-replica module: dim 0 of its first input of rank >= 1 (-1: none).
+int64_t BatchOf(const ir::Module& m) {
+  for (ir::ValueId v : m.Inputs())
+    if (!m.type(v).shape.empty()) return m.type(v).shape[0];
+  return -1;
+}
+
+// The number of examples in `inputs`: dim 0 of those `m` reads (-1: none given); they must agree.
+int64_t ExamplesOf(const ir::Module& m, const TensorMap& inputs, const char* what) {
+  int64_t n = -1;
+  std::string seen;
+  bool disagree = false;
+  for (ir::ValueId v : m.Inputs()) {
+    auto it = inputs.find(m.at(v).name);
+    if (m.type(v).shape.empty() || it == inputs.end() || it->second.shape().empty()) continue;
+    const int64_t d = it->second.shape()[0];
+    disagree |= n >= 0 && d != n;
+    if (n < 0) n = d;
+    seen += Str(seen.empty() ? "" : ", ", "\"", m.at(v).name, "\" ", it->second.type.ToString());
+  }
+  if (disagree) throw Error(Str(what, ": the inputs disagree on the number of examples (dimension 0): ", seen));
+  return n;
+}
+
 }  // namespace
 
 void RegisterBackend(const std::string& name, BackendFactory factory) {
@@ -89,26 +114,67 @@ BackendFactory FindBackend(const std::string& name) {
 }
 
 Session::Session(const dsl::Model& model, const dsl::Program& program, const std::string& backend)
-    : backend_(backend), program_(program) {
-  const BackendFactory factory = FindBackend(backend);
+    : step_module_(program.step) {
   // Program::forward is lowered for the per-replica batch; evaluation takes the global batch.
   forward_ = model.lower(1, dsl::Mode::kEval);
-  per_replica_ = program_.step.PerReplicaValues();
-  exec_ = factory(program_.step, runtime::InitLogicalState(program_.step));
+  has_forward_ = true;
+  Init(backend);
+}
+
+Session::Session(const ir::Module& step, std::optional<ir::Module> forward, const std::string& backend)
+    : step_module_(step) {
+  if (forward) {
+    if (forward->num_replicas != 1)
+      throw Error(Str("Session: the forward module \"", forward->name, "\" is lowered for ", forward->num_replicas,
+                      " replicas; it must run on one (the evaluation batch whole)"));
+    if (!forward->assigns.empty())
+      throw Error(Str("Session: the forward module \"", forward->name, "\" assigns ", forward->assigns.size(),
+                      " variable(s); lower it in evaluation mode"));
+    const std::map<std::string, ir::TensorType> logical = runtime::LogicalTypes(step);
+    for (ir::ValueId v : forward->Variables()) {
+      const ir::Instr& var = forward->at(v);
+      auto it = logical.find(var.name);
+      if (it == logical.end())
+        throw Error(Str("Session: forward variable \"", var.name, "\" is not a variable of the step module"));
+      if (it->second != var.type)
+        throw Error(Str("Session: forward variable \"", var.name, "\" is ", var.type.ToString(),
+                        ", the step's (unsharded) ", it->second.ToString()));
+    }
+    forward_ = std::move(*forward);
+    has_forward_ = true;
+  }
+  Init(backend);
+}
+
+void Session::Init(const std::string& backend) {
+  const BackendFactory factory = FindBackend(backend);
+  backend_ = backend;
+  per_replica_ = step_module_.PerReplicaValues();
+  exec_ = factory(step_module_, runtime::InitLogicalState(step_module_));
 }
 
 Session::~Session() = default;
 
-std::vector<std::string> Session::InputNames() const { return InputNamesOf(program_.step); }
+const ir::Module& Session::forward_module() const {
+  if (!has_forward_)
+    throw Error("this Session has no forward module (built from a step module alone): Evaluate and Predict need one");
+  return forward_;
+}
+
+double Session::CommunicationSeconds() const { return exec_->CommunicationSeconds(); }
+
+void Session::SetPhaseTiming(bool on) { exec_->SetPhaseTiming(on); }
+
+std::vector<std::string> Session::InputNames() const { return InputNamesOf(step_module_); }
 
 std::vector<std::string> Session::OutputNames() const {
   std::vector<std::string> names;
-  for (auto& [name, v] : forward_.outputs) names.push_back(name);
+  for (auto& [name, v] : forward_module().outputs) names.push_back(name);
   return names;
 }
 
 void Session::CheckInputs(const ir::Module& m, int64_t batch_scale, const TensorMap& batch, const char* what,
-                          const ir::Module* allow_extra, int64_t examples) const {
+                          const ir::Module* allow_extra, int64_t examples, bool extra_ok) const {
   for (ir::ValueId v : m.Inputs()) {
     const ir::Instr& in = m.at(v);
     ir::TensorType want = in.type;
@@ -126,7 +192,7 @@ void Session::CheckInputs(const ir::Module& m, int64_t batch_scale, const Tensor
       throw Error(Str(what, ": input \"", in.name, "\" holds ", held, " values for ", t.type.ToString()));
   }
   for (auto& [name, t] : batch) {
-    if (m.FindInput(name) != ir::kNoValue) continue;
+    if (extra_ok || m.FindInput(name) != ir::kNoValue) continue;
     if (allow_extra && allow_extra->FindInput(name) != ir::kNoValue) continue;
     const ir::Module& known = allow_extra ? *allow_extra : m;
     throw Error(Str(what, ": unknown input \"", name, "\"; the inputs are ", Join(InputNamesOf(known))));
@@ -134,7 +200,7 @@ void Session::CheckInputs(const ir::Module& m, int64_t batch_scale, const Tensor
 }
 
 TensorMap Session::Step(const TensorMap& global_batch) {
-  const ir::Module& m = program_.step;
+  const ir::Module& m = step_module_;
   const int n = m.num_replicas;
   CheckInputs(m, n, global_batch, "Step");
   std::vector<TensorMap> replicas = exec_->StepReplicas(global_batch);
@@ -167,16 +233,50 @@ TensorMap Session::Step(const TensorMap& global_batch) {
   return out;
 }
 
-TensorMap Session::Evaluate(const TensorMap& batch) {
-  CheckInputs(forward_, 1, batch, "Evaluate");
-  return exec_->Forward(forward_, batch);
+TensorMap Session::TrainStep(const TensorMap& global_batch) {
+  CheckInputs(step_module_, step_module_.num_replicas, global_batch, "Step", nullptr, -1, /*extra_ok=*/true);
+  TensorMap out = exec_->Step(global_batch);
+  ++step_;
+  return out;
+}
+
+TensorMap Session::Evaluate(const TensorMap& batch) { return Evaluate(batch, false); }
+
+TensorMap Session::Evaluate(const TensorMap& batch, bool extra_ok) {
+  const ir::Module& f = forward_module();
+  const int64_t b = BatchOf(f);
+  const int64_t n = ExamplesOf(f, batch, "Evaluate");
+  if (b < 0 || n < 1 || n == b) {
+    CheckInputs(f, 1, batch, "Evaluate", nullptr, -1, extra_ok);
+    return exec_->Forward(f, batch);
+  }
+  CheckInputs(f, 1, batch, "Evaluate", nullptr, n, extra_ok);
+  std::vector<float> losses;
+  TensorMap out = RunChunks(f, b, batch, n, &losses);
+  if (static_cast<int64_t>(losses.size()) != (n + b - 1) / b) return out;  // no scalar f32 "loss"
+  // The mean over the examples: B per full chunk; the padded chunk of r rows holds r real losses and
+  // B - r losses of a zero row, each the loss of a chunk of zero rows (evaluation mixes no examples).
+  const int64_t r = n % b, full = n / b;
+  double sum = 0;
+  for (int64_t c = 0; c < full; ++c) sum += static_cast<double>(losses[c]) * b;
+  if (r > 0) {
+    TensorMap zeros;
+    for (ir::ValueId v : f.Inputs()) zeros[f.at(v).name] = Tensor(f.type(v));
+    const double pad = exec_->Forward(f, zeros).at("loss").f32[0];
+    const double last = losses.back();
+    // A loss weighted by an input that is zero on zero rows has no value on them (0 / 0): the padded
+    // chunk's loss is then its real rows' already.
+    sum += std::isfinite(pad) ? last * b - pad * (b - r) : last * r;
+  }
+  out["loss"] = Tensor::Scalar(static_cast<float>(sum / n));
+  return out;
 }
 
 const ir::Module& Session::PredictModule(const std::vector<std::string>& outputs) {
   if (outputs.empty()) throw Error(Str("Predict: no output requested; the outputs are ", Join(OutputNames())));
   std::string key;
   for (const std::string& o : outputs) {
-    if (forward_.FindOutput(o) == ir::kNoValue)
+    if (forward_module().FindOutput(o) == ir::kNoValue)
       throw Error(Str("Predict: unknown output \"", o, "\"; the outputs are ", Join(OutputNames())));
     key += o + ",";
   }
@@ -207,20 +307,20 @@ TensorMap Session::Predict(const TensorMap& inputs, const std::vector<std::strin
   // Any number of examples n: the program's batch B is fixed, so run ceil(n / B) chunks, the last padded
   // with zero rows, and keep the first n rows of the batched outputs. Safe because evaluation mode
   // mixes no examples (batch norm uses the running statistics).
-  int64_t batch = -1, n = -1;
-  for (ir::ValueId v : m.Inputs()) {
-    auto it = inputs.find(m.at(v).name);
-    if (m.type(v).shape.empty() || it == inputs.end() || it->second.shape().empty()) continue;
-    batch = m.type(v).shape[0], n = it->second.shape()[0];
-    break;
-  }
-  if (n == batch || n < 1) {
+  const int64_t batch = BatchOf(m);
+  const int64_t n = ExamplesOf(m, inputs, "Predict");
+  if (batch < 0 || n == batch || n < 1) {
     CheckInputs(m, 1, inputs, "Predict", &forward_);
     TensorMap feed;
     for (ir::ValueId v : m.Inputs()) feed[m.at(v).name] = inputs.at(m.at(v).name);
     return exec_->Forward(m, feed);
   }
   CheckInputs(m, 1, inputs, "Predict", &forward_, n);
+  return RunChunks(m, batch, inputs, n, nullptr);
+}
+
+TensorMap Session::RunChunks(const ir::Module& m, int64_t batch, const TensorMap& inputs, int64_t n,
+                             std::vector<float>* losses) {
   const std::vector<char> batched = m.PerReplicaValues();
   TensorMap out;
   for (int64_t begin = 0; begin < n; begin += batch) {
@@ -235,6 +335,11 @@ TensorMap Session::Predict(const TensorMap& inputs, const std::vector<std::strin
       feed[m.at(v).name] = std::move(chunk);
     }
     TensorMap got = exec_->Forward(m, feed);
+    if (losses) {
+      auto loss = got.find("loss");
+      if (loss != got.end() && loss->second.dtype() == ir::DType::kF32 && loss->second.elements() == 1)
+        losses->push_back(loss->second.f32[0]);
+    }
     for (auto& [name, v] : m.outputs) {
       auto g = got.find(name);
       if (g == got.end()) continue;
@@ -261,10 +366,16 @@ void Session::Save(const std::string& path) const {
   runtime::SaveCheckpoint(path, exec_->LogicalState(), {{kStepKey, std::to_string(step_)}});
 }
 
+void Session::LoadState(const TensorMap& state, int64_t step) {
+  runtime::CheckCheckpointMatches(state, runtime::LogicalTypes(step_module_), "Session::LoadState");
+  exec_->LoadLogicalState(state);
+  step_ = step;
+}
+
 void Session::Load(const std::string& path) {
   std::map<std::string, std::string> metadata;
   TensorMap state = runtime::LoadCheckpoint(path, &metadata);
-  runtime::CheckCheckpointMatches(state, runtime::LogicalTypes(program_.step), path);
+  runtime::CheckCheckpointMatches(state, runtime::LogicalTypes(step_module_), path);
   exec_->LoadLogicalState(state);
   // The counter: ours from the metadata, else the program's step variable (a `shardstep train` checkpoint).
   step_ = 0;
@@ -275,8 +386,8 @@ void Session::Load(const std::string& path) {
       throw Error(Str(path, ": metadata \"", kStepKey, "\" is \"", it->second, "\", not a step count"));
     }
   } else {
-    for (ir::ValueId v : program_.step.VariablesWithRole(ir::kRoleStep)) {
-      const Tensor& t = state.at(program_.step.at(v).name);
+    for (ir::ValueId v : step_module_.VariablesWithRole(ir::kRoleStep)) {
+      const Tensor& t = state.at(step_module_.at(v).name);
       if (t.elements() == 1) step_ = static_cast<int64_t>(t.at(0));
     }
   }

@@ -223,6 +223,8 @@ ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int 
 void ResolveTextVocab(ProgramFlags* f) {
   const models::Task task = models::FindModel(f->model).task;
   if (task == models::Task::kClassification || f->vocab > 0) return;
+  // bert base/large: the published WordPiece vocabulary (30522) is the size's own, as their counts have it.
+  if (f->model == "bert" && (f->size == "base" || f->size == "large")) return;
   runtime::TextDataOptions o;
   o.context = f->context > 0 ? f->context : 128;
   o.batch = o.eval_batch = 1;

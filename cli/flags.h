@@ -77,7 +77,8 @@ void AddPipelineFlags(CLI::App* app, ProgramFlags* f);
 ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int replicas = 0);
 
 // Text models without --vocab: sets f->vocab to the vocabulary of the default corpus (the King James
-// Bible), so `compile` builds them as `train` would. No-op for image models or when --vocab is given.
+// Bible), so `compile` builds them as `train` would. No-op for image models or when --vocab is given, and
+// for bert --size base/large (their published vocabulary of 30522, so the report gives the published counts).
 void ResolveTextVocab(ProgramFlags* f);
 
 // The model's training program (the whole pipeline run), and its forward module for evaluation at `batch`.

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <memory>
 
+#include "cli/backend_flag.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/ir_file.h"
@@ -132,6 +133,7 @@ int RunIr(const RunFlags& f) {
   runtime::TensorMap outputs;
   if (one) {
     try {
+      // One replica without collectives: the backends' single-replica entry points, not an executor.
       outputs = f.backend == "cpu" ? jit::JitRunStep(m, state, inputs, f.replica, nullptr)
                                    : runtime::RunStep(m, state, inputs, f.replica, nullptr);
     } catch (const Error& e) {
@@ -140,8 +142,7 @@ int RunIr(const RunFlags& f) {
                       " replicas run together)"));
     }
   } else {
-    std::unique_ptr<runtime::Executor> exec =
-        f.backend == "cpu" ? jit::MakeCpuExecutor(m, state) : runtime::MakeInterpreterExecutor(m, state);
+    std::unique_ptr<runtime::Executor> exec = FindBackend(f.backend)(m, state);  // api/session.h's registry
     outputs = exec->Step(inputs);
     state = exec->LogicalState();
   }
@@ -183,7 +184,7 @@ Command AddRunCommand(CLI::App& app) {
   cmd->add_option("--outputs", f->outputs, "save the outputs to this safetensors file");
   cmd->add_option("--state-out", f->state_out, "save the variables after the step to this safetensors file");
   cmd->add_option("--backend", f->backend, "interp (reference interpreter) | cpu (LLVM JIT)")
-      ->check(CLI::IsMember({"interp", "cpu"}))->capture_default_str();
+      ->check(BackendNameValidator())->capture_default_str();
   cmd->add_option("--show", f->show, "values printed per output")->check(kNonNegativeInt)->capture_default_str();
   cmd->add_flag("--no-memory-check", f->no_memory_check, "run even when the memory plan exceeds available memory");
   return {cmd, [f] { return RunIr(*f); }};

@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "api/session.h"
+#include "cli/backend_flag.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
 #include "cli/preflight.h"
@@ -296,14 +298,15 @@ int RunTrain(const TrainFlags& t_in) {
     return 0;
   }
 
-  // 4. State, data, backend, training.
-  runtime::TensorMap state = runtime::InitLogicalState(program.step);
+  // 4. State, data, backend, training. A checkpoint is checked here (its path in the errors) and loaded
+  // into the Session once it exists.
+  std::optional<runtime::TensorMap> start_state;
   const std::map<std::string, ir::TensorType> logical_types = runtime::LogicalTypes(program.step);
   if (resume) {
     if (text) CheckVocabulary(resume->tensors, logical_types, t.program.vocab, resume->path, data_name);
     if (text) CheckContext(resume->tensors, logical_types, ContextOf(t.program), resume->path);
     runtime::CheckCheckpointMatches(resume->tensors, logical_types, resume->path);
-    state = std::move(resume->tensors);
+    start_state = std::move(resume->tensors);
     std::cout << "resuming from " << resume->path << " at step " << resume->step << " of " << t.steps
               << (resume->checksummed ? "" : " (the file has no checksum: its integrity was not verified)") << "\n";
   }
@@ -313,16 +316,11 @@ int RunTrain(const TrainFlags& t_in) {
     if (text) CheckVocabulary(loaded, logical_types, t.program.vocab, t.load, data_name);
     if (text) CheckContext(loaded, logical_types, ContextOf(t.program), t.load);
     runtime::CheckCheckpointMatches(loaded, logical_types, t.load);
-    state = loaded;
+    start_state = std::move(loaded);
     std::cout << "loaded checkpoint " << t.load
               << (checksummed ? "" : " (no checksum, as written by older shardstep or other tools: only its structure was checked)")
               << "\n";
   }
-  if (!t.save_init.empty()) {
-    runtime::SaveCheckpoint(t.save_init, state);
-    std::cout << "saved initial state " << t.save_init << "\n";
-  }
-
   if (!text) {
     runtime::ImageDataOptions io;
     io.dataset = dataset;
@@ -348,9 +346,17 @@ int RunTrain(const TrainFlags& t_in) {
             << "\n"
             << ir::PlanMemory(program.step).ToString();
 
-  std::unique_ptr<runtime::Executor> exec;
-  if (t.backend == "cpu") {
-    auto cpu = std::make_unique<jit::CpuExecutor>(program.step, state);
+  // The backend by name (api/session.h's registry), the state from its initialisers or the checkpoint.
+  Session session(program.step, std::move(forward), t.backend);
+  if (start_state) {
+    session.LoadState(*start_state, resume ? resume->step : 0);
+    start_state.reset();
+  }
+  if (!t.save_init.empty()) {
+    runtime::SaveCheckpoint(t.save_init, session.State());
+    std::cout << "saved initial state " << t.save_init << "\n";
+  }
+  if (auto* cpu = dynamic_cast<jit::CpuExecutor*>(&session.executor())) {
     const jit::CompileInfo& ci = cpu->compile_info();
     std::cout << "jit: " << ci.kernels << " fused kernels (" << ci.fused_ops << " ops), " << ci.source << " in "
               << ci.seconds << " s" << (ci.rejected_corrupt ? " (a corrupt cache entry was rejected)" : "") << "\n"
@@ -358,9 +364,6 @@ int RunTrain(const TrainFlags& t_in) {
               << " MiB arena for " << ci.buffer_bytes / 1048576.0 << " MiB of temporaries, plus "
               << ci.swapped_bytes / 1048576.0 << " MiB of new variable values\n"
               << std::defaultfloat;
-    exec = std::move(cpu);
-  } else {
-    exec = runtime::MakeInterpreterExecutor(program.step, state);
   }
   runtime::TrainOptions o;
   o.steps = t.steps;
@@ -403,7 +406,7 @@ int RunTrain(const TrainFlags& t_in) {
               {"optimizer_state_bytes", mem.optimizer_state_bytes},
               {"gradients_bytes", mem.gradient_bytes},
               {"peak_temporaries_bytes", mem.peak_temp_bytes}};
-  runtime::TrainResult r = runtime::Train(*exec, forward, *train_source, eval_set.get(), task, o, std::cout);
+  runtime::TrainResult r = runtime::Train(session, *train_source, eval_set.get(), task, o, std::cout);
   if (r.skipped_steps) std::cout << "skipped " << r.skipped_steps << " step(s) with non-finite values\n";
   std::cout << "final: loss " << (r.losses.empty() ? std::string("(no step run)") : Str(r.losses.back())) << ", test "
             << (task == models::Task::kClassification ? "accuracy" : runtime::MetricKey(task)) << " " << r.test_metric
@@ -452,7 +455,7 @@ Command AddTrainCommand(CLI::App& app) {
   cmd->add_option("--log-every", t->log_every, "progress line every N steps")->check(kPositiveInt);
   cmd->add_option("--eval-every", t->eval_every, "evaluate every N steps (0: at the end)")->check(kNonNegativeInt);
   cmd->add_option("--backend", t->backend, "interp (reference interpreter) | cpu (LLVM JIT)")
-      ->check(CLI::IsMember({"interp", "cpu"}))->capture_default_str();
+      ->check(BackendNameValidator())->capture_default_str();
   t->eval_batch_option =
       cmd->add_option("--eval-batch", t->eval_batch,
                       "evaluation batch; must divide the test split (10000, synthetic 2000); default 1000 for images, "

@@ -58,7 +58,7 @@ const std::vector<ModelSpec>& AllModels() {
        Task::kClassification, "synthetic-imagenet", {3, 224, 224}, DefineResnet50},
       {"transformer_lm", "GPT-style character language model (pre-LN, causal; --context 128 --layers 4 --width 256 --heads 4)",
        Task::kLanguageModel, "kjv", {}, DefineTransformerLm},
-      {"bert", "BERT encoder with a masked-LM head (post-LN; --size small|base|large)", Task::kMaskedLm, "kjv", {},
+      {"bert", "BERT pre-training: encoder, masked-LM and next-sentence heads (post-LN; --size small|base|large)", Task::kMaskedLm, "kjv", {},
        DefineBert},
   };
   return models;

@@ -18,7 +18,10 @@ namespace shardstep::models {
 //                    output "logits" f32 [B, T, vocab]; metric "bits_per_char" (mean over positions).
 //   kMaskedLm:       inputs "tokens" s32 [B, T] (with mask tokens substituted), "targets" s32 [B, T],
 //                    "mask_weights" f32 [B, T] (1 at predicted positions, else 0);
-//                    output "logits" f32 [B, T, vocab]; metric "masked_accuracy".
+//                    output "logits" f32 [B, T, vocab]; metric "masked_accuracy". With sentence pairs
+//                    (bert): also "segments" s32 [B, T] (0 = [CLS] A [SEP], 1 = B [SEP]) and
+//                    "next_sentence" s32 [B] (1 = B follows A); output "nsp_logits" f32 [B, 2] (the
+//                    trainer also reports "nsp_accuracy" when both are there).
 // The trainer computes the metric from "logits" and the inputs, so a loss with label smoothing or
 // weights does not change what is reported.
 enum class Task { kClassification, kLanguageModel, kMaskedLm };

@@ -143,14 +143,15 @@ dsl::Tensor DefineBert(dsl::Model& m, const ModelOptions& o) {
   constexpr int64_t kTokenTypes = 2;
   const double p = o.dropout;
   auto tokens = m.input("tokens", dsl::s32({o.batch, c.context}));
+  auto segments = m.input("segments", dsl::s32({o.batch, c.context}));
   auto targets = m.input("targets", dsl::s32({o.batch, c.context}));
   auto weights = m.input("mask_weights", dsl::f32({o.batch, c.context}));
+  auto next_sentence = m.input("next_sentence", dsl::s32({o.batch}));
   dsl::Tensor tok_emb = Table(m, "tok_emb.w", c.vocab, c.width);
   dsl::Tensor pos_emb = Table(m, "pos_emb.w", c.positions, c.width);
   dsl::Tensor type_emb = Table(m, "type_emb.w", kTokenTypes, c.width);
-  // Every token is of type 0 (single segments): add type_emb.w[0] to every position.
   dsl::Tensor x = Gather(m, tok_emb, tokens, "tok_emb") + pos_emb.slice(0, 0, c.context) +
-                  type_emb.slice(0, 0, 1);
+                  Gather(m, type_emb, segments, "type_emb");
   x = x.layer_norm("emb_ln", kEps).dropout(p);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string n = "h" + std::to_string(i);
@@ -158,13 +159,19 @@ dsl::Tensor DefineBert(dsl::Model& m, const ModelOptions& o) {
     dsl::Tensor mlp = a.dense(c.mlp_width, n + ".fc1").gelu().dense(c.width, n + ".fc2");
     x = (a + mlp.dropout(p)).layer_norm(n + ".ln2", kEps);
   }
+  // Masked-LM head.
   dsl::Tensor h = x.dense(c.width, "mlm.dense").gelu().layer_norm("mlm.ln", kEps);
   dsl::Tensor bias = m.weight("mlm.bias", dsl::f32({c.vocab}), "zeros", {}, dsl::WeightOptions::NoDecay());
   dsl::Tensor logits = h.matmul(tok_emb, false, true) + bias;  // decoder tied to the token embedding
   m.output("logits", logits);
+  // Pooler (tanh dense on the [CLS] position) and the next-sentence classifier, as the released
+  // pre-training checkpoints have them (no dropout between them, as BertForPreTraining).
+  dsl::Tensor pooled = x.slice(1, 0, 1).reshape({c.width}).dense(c.width, "pooler").tanh();
+  dsl::Tensor nsp_logits = pooled.dense(2, "nsp");
+  m.output("nsp_logits", nsp_logits);
   dsl::CrossEntropyOptions ce;
   ce.label_smoothing = o.label_smoothing;
-  return logits.cross_entropy_mean(targets, ce, weights);
+  return logits.cross_entropy_mean(targets, ce, weights) + nsp_logits.cross_entropy_mean(next_sentence);
 }
 
 }  // namespace shardstep::models

@@ -17,14 +17,17 @@ namespace shardstep::models {
 // o.dropout; vocab o.vocab (required).
 dsl::Tensor DefineTransformerLm(dsl::Model& m, const ModelOptions& o);
 
-// bert: inputs "tokens", "targets" s32 [B, T], "mask_weights" f32 [B, T]; output "logits" [B, T, vocab];
-// loss = the global-batch mean of the cross-entropy over the positions weighted by mask_weights.
-// Post-LN encoder (Devlin et al. 2019): tok_emb.w[tokens] + pos_emb.w[0:T] + type_emb.w[0] -> emb_ln ->
-// dropout; blocks h{i}: a = ln1(x + dropout(attn(x))), x = ln2(a + dropout(fc2(gelu(fc1(a))))) (no causal
-// mask; sequences are packed without padding, so no padding mask); masked-LM head: mlm.dense (D) -> GELU
-// -> mlm.ln, decoder tied to tok_emb.w plus the output bias mlm.bias [vocab]. Layer norms eps 1e-12 as
-// BERT. No pooler / next-sentence classifier: the data has no sentence pairs and the masked-LM loss
-// would leave them without a gradient.
+// bert (the pre-training architecture of Devlin et al. 2019): inputs "tokens", "segments" (token types
+// 0/1), "targets" s32 [B, T], "mask_weights" f32 [B, T], "next_sentence" s32 [B] (1 = segment B follows
+// segment A); outputs "logits" [B, T, vocab], "nsp_logits" [B, 2]; loss = the global-batch mean of the
+// masked-LM cross-entropy over the positions weighted by mask_weights + the global-batch mean
+// next-sentence cross-entropy. Post-LN encoder: tok_emb.w[tokens] + pos_emb.w[0:T] +
+// type_emb.w[segments] -> emb_ln -> dropout; blocks h{i}: a = ln1(x + dropout(attn(x))),
+// x = ln2(a + dropout(fc2(gelu(fc1(a))))) (no causal mask; examples are full, so no padding mask);
+// masked-LM head: mlm.dense (D) -> GELU -> mlm.ln, decoder tied to tok_emb.w plus the output bias
+// mlm.bias [vocab]; pooler: tanh(pooler (D) of x[:, 0]) (the [CLS] position); next-sentence
+// classifier nsp (2) on it. Layer norms eps 1e-12 as BERT. Parameters as BertForPreTraining:
+// base 110,106,428, large 336,226,108.
 // Sizes (o.size): small (default; L4 D256 H4, vocab o.vocab), base (L12 D768 H12, vocab 30522),
 // large (L24 D1024 H16, vocab 30522); position table 512, 2 token types, MLP 4D, context 128 by
 // default. Non-zero o.layers/width/heads/mlp_width/context/vocab override the size's values.

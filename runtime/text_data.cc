@@ -179,25 +179,58 @@ struct MlmCorpus {
   std::string held_out_names;
 };
 
-// Example `index` ([CLS] chunk [SEP]) with BERT's masking, drawn from `key`.
-void MaskExample(const std::vector<int32_t>& stream, int64_t index, int64_t t, int64_t vocab, uint64_t key,
-                 int32_t* tok, int32_t* tgt, float* w) {
-  const int64_t words = t - 2;
-  tok[0] = tgt[0] = WordTokenizer::kCls;
-  tok[t - 1] = tgt[t - 1] = WordTokenizer::kSep;
-  std::fill(w, w + t, 0.0f);
-  const int32_t* src = &stream[index * words];
-  for (int64_t j = 0; j < words; ++j) tok[j + 1] = tgt[j + 1] = src[j];
+// Example `index` as a BERT pre-training pair drawn from `key`. The chunk stream[index * W, index * W + W)
+// (W = T - 3 words) is cut after len_a words, len_a uniform in [max(1, W/4), W - max(1, W/4)]: A is the
+// part before the cut. With probability 0.5 B is the rest of the chunk, the words that follow A
+// (next_sentence 1); else B is as many words from a random place of the stream at least W words away
+// from that continuation (0; a stream too short for one is a next pair). Layout [CLS] A [SEP] B [SEP],
+// segments 0 up to the first [SEP], 1 after it. Then BERT's masking of the W word positions (never
+// [CLS] or [SEP]): each is selected with probability 0.15 (at least one); a selected one becomes [MASK]
+// with probability 0.8, a random word with 0.1, stays with 0.1.
+void PairExample(const std::vector<int32_t>& stream, int64_t index, int64_t t, int64_t vocab, uint64_t key,
+                 int32_t* tok, int32_t* seg, int32_t* tgt, float* w, int32_t* next) {
+  const int64_t words = t - 3, n = static_cast<int64_t>(stream.size());
   SplitMix64 rng(key);
+  bool is_next = rng.UniformDouble() < 0.5;
+  const int64_t margin = std::max<int64_t>(1, words / 4);
+  const int64_t len_a = margin + rng.Below(words - 2 * margin + 1), len_b = words - len_a;
+  const int64_t a_start = index * words, follow = a_start + len_a;
+  int64_t b_start = follow;
+  if (!is_next) {
+    // Uniform over the starts [0, n - len_b] outside (follow - W, follow + W).
+    const int64_t last = n - len_b;
+    const int64_t lo = std::max<int64_t>(0, follow - words + 1), hi = std::min(last, follow + words - 1);
+    const int64_t allowed = last + 1 - (hi - lo + 1);
+    if (allowed > 0) {
+      const int64_t r = rng.Below(allowed);
+      b_start = r < lo ? r : r + (hi - lo + 1);
+    } else {
+      is_next = true;
+    }
+  }
+  *next = is_next ? 1 : 0;
+  const int64_t sep_a = 1 + len_a;
+  tok[0] = WordTokenizer::kCls;
+  std::copy(&stream[a_start], &stream[a_start] + len_a, tok + 1);
+  tok[sep_a] = WordTokenizer::kSep;
+  std::copy(&stream[b_start], &stream[b_start] + len_b, tok + sep_a + 1);
+  tok[t - 1] = WordTokenizer::kSep;
+  std::copy(tok, tok + t, tgt);
+  for (int64_t j = 0; j < t; ++j) seg[j] = j <= sep_a ? 0 : 1;
+  std::fill(w, w + t, 0.0f);
+  auto is_word = [&](int64_t j) { return j != 0 && j != sep_a && j != t - 1; };
   int64_t selected = 0;
-  for (int64_t j = 1; j <= words; ++j) {
-    if (rng.UniformDouble() < 0.15) {
+  for (int64_t j = 1; j < t - 1; ++j) {
+    if (is_word(j) && rng.UniformDouble() < 0.15) {
       w[j] = 1.0f;
       ++selected;
     }
   }
-  if (selected == 0) w[1 + rng.Below(words)] = 1.0f;  // every example predicts something
-  for (int64_t j = 1; j <= words; ++j) {
+  if (selected == 0) {  // every example predicts something: the k-th word position
+    const int64_t k = rng.Below(words);
+    w[k < len_a ? 1 + k : 2 + k] = 1.0f;
+  }
+  for (int64_t j = 1; j < t - 1; ++j) {
     if (w[j] == 0.0f) continue;
     const double r = rng.UniformDouble();
     if (r < 0.8) {
@@ -207,6 +240,23 @@ void MaskExample(const std::vector<int32_t>& stream, int64_t index, int64_t t, i
     }
   }
 }
+
+// The five inputs of a batch of pairs.
+struct PairSlots {
+  Tensor *tok, *seg, *tgt, *w, *next;
+  PairSlots(TensorMap* inputs, int64_t b, int64_t t)
+      : tok(&Slot(inputs, "tokens", ir::DType::kS32, b, t)), seg(&Slot(inputs, "segments", ir::DType::kS32, b, t)),
+        tgt(&Slot(inputs, "targets", ir::DType::kS32, b, t)), w(&Slot(inputs, "mask_weights", ir::DType::kF32, b, t)),
+        next(&(*inputs)["next_sentence"]) {
+    next->type = {ir::DType::kS32, {b}};
+    next->s32.resize(b);
+    next->f32.clear();
+  }
+  void Fill(const std::vector<int32_t>& stream, int64_t row, int64_t index, int64_t t, int64_t vocab, uint64_t key) {
+    PairExample(stream, index, t, vocab, key, &tok->s32[row * t], &seg->s32[row * t], &tgt->s32[row * t],
+                &w->f32[row * t], &next->s32[row]);
+  }
+};
 
 uint64_t TrainKey(uint64_t seed, int64_t epoch, int64_t index) {
   return Mix(Mix(seed, static_cast<uint64_t>(epoch)), static_cast<uint64_t>(index));
@@ -219,23 +269,20 @@ class MlmSource : public BatchSource {
  public:
   MlmSource(std::shared_ptr<const MlmCorpus> c, const TextDataOptions& o)
       : c_(std::move(c)), t_(o.context), batch_(o.batch), seed_(o.seed),
-        n_(static_cast<int64_t>(c_->train.size()) / (o.context - 2)), order_(n_, o.batch, o.shuffle, o.seed) {}
+        n_(static_cast<int64_t>(c_->train.size()) / (o.context - 3)), order_(n_, o.batch, o.shuffle, o.seed) {}
   void Next(TensorMap* inputs) override {
-    Tensor& tok = Slot(inputs, "tokens", ir::DType::kS32, batch_, t_);
-    Tensor& tgt = Slot(inputs, "targets", ir::DType::kS32, batch_, t_);
-    Tensor& w = Slot(inputs, "mask_weights", ir::DType::kF32, batch_, t_);
+    PairSlots slots(inputs, batch_, t_);
     const int64_t* idx = order_.Next();
-    for (int64_t b = 0; b < batch_; ++b) {
-      MaskExample(c_->train, idx[b], t_, c_->vocab, TrainKey(seed_, order_.epoch(), idx[b]), &tok.s32[b * t_],
-                  &tgt.s32[b * t_], &w.f32[b * t_]);
-    }
+    for (int64_t b = 0; b < batch_; ++b)
+      slots.Fill(c_->train, b, idx[b], t_, c_->vocab, TrainKey(seed_, order_.epoch(), idx[b]));
   }
   int64_t epoch() const override { return order_.epoch(); }
   int64_t position() const override { return order_.position(); }
   void Seek(int64_t epoch, int64_t position) override { order_.Seek(epoch, position, "masked LM data"); }
   int64_t batches_per_epoch() const override { return order_.batches_per_epoch(); }
   std::string Describe() const override {
-    return Str(c_->name, " words, masked LM train (", c_->train.size(), " tokens, ", n_, " sequences of ", t_,
+    return Str(c_->name, " words, masked LM + next sentence train (", c_->train.size(), " tokens, ", n_,
+               " sentence pairs of ", t_,
                ", vocabulary ", c_->vocab, "; held out: ", c_->held_out_names, ")");
   }
 
@@ -251,7 +298,7 @@ class MlmEval : public EvalSet {
  public:
   MlmEval(std::shared_ptr<const MlmCorpus> c, const TextDataOptions& o)
       : c_(std::move(c)), t_(o.context), batch_(o.eval_batch), seed_(o.seed) {
-    batches_ = static_cast<int64_t>(c_->held_out.size()) / (t_ - 2) / batch_;
+    batches_ = static_cast<int64_t>(c_->held_out.size()) / (t_ - 3) / batch_;
     if (batches_ == 0)
       throw Error(Str("text data: the held-out text of ", c_->name, " (", c_->held_out.size(),
                       " words) is too short for one eval batch of ", batch_, " sequences of ", t_));
@@ -260,17 +307,14 @@ class MlmEval : public EvalSet {
   int64_t num_batches() const override { return batches_; }
   void Batch(int64_t i, TensorMap* inputs) const override {
     if (i < 0 || i >= batches_) throw Error(Str("masked LM eval: batch ", i, " out of range [0, ", batches_, ")"));
-    Tensor& tok = Slot(inputs, "tokens", ir::DType::kS32, batch_, t_);
-    Tensor& tgt = Slot(inputs, "targets", ir::DType::kS32, batch_, t_);
-    Tensor& w = Slot(inputs, "mask_weights", ir::DType::kF32, batch_, t_);
+    PairSlots slots(inputs, batch_, t_);
     for (int64_t b = 0; b < batch_; ++b) {
       const int64_t e = i * batch_ + b;
-      MaskExample(c_->held_out, e, t_, c_->vocab, EvalKey(seed_, e), &tok.s32[b * t_], &tgt.s32[b * t_],
-                  &w.f32[b * t_]);
+      slots.Fill(c_->held_out, b, e, t_, c_->vocab, EvalKey(seed_, e));
     }
   }
   std::string Describe() const override {
-    return Str(c_->name, " words, masked LM held out ", c_->held_out_names, " (", batches_, " batches of ", batch_,
+    return Str(c_->name, " words, masked LM + next sentence held out ", c_->held_out_names, " (", batches_, " batches of ", batch_,
                " x ", t_, ")");
   }
 
@@ -563,8 +607,8 @@ TextData MakeCharLmData(const TextDataOptions& o) {
 
 TextData MakeMaskedLmData(const TextDataOptions& o) {
   CheckOptions(o);
-  if (o.context < 3)
-    throw Error(Str("text data: --context ", o.context, " is too short for [CLS] word [SEP] (at least 3)"));
+  if (o.context < 5)
+    throw Error(Str("text data: --context ", o.context, " is too short for [CLS] A [SEP] B [SEP] (at least 5)"));
   if (o.vocab_size < 0) throw Error(Str("text data: --vocab ", o.vocab_size, " must be >= 0 (0 = default)"));
   const TextCorpus corpus = LoadTextCorpus(o.file);
   const WordTokenizer tok(corpus.TrainText(), o.vocab_size);
@@ -581,7 +625,7 @@ TextData MakeMaskedLmData(const TextDataOptions& o) {
     auto& dst = corpus.held_out[i] ? c->held_out : c->train;
     dst.insert(dst.end(), ids.begin(), ids.end());
   }
-  const int64_t sequences = static_cast<int64_t>(c->train.size()) / (o.context - 2);
+  const int64_t sequences = static_cast<int64_t>(c->train.size()) / (o.context - 3);
   if (o.batch > sequences)
     throw Error(Str("text data: --batch ", o.batch, " is more than the ", sequences, " training sequences of ",
                     o.context, " tokens in ", c->name));

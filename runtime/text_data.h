@@ -40,15 +40,19 @@ struct TextData {
 // of an epoch is dropped. Evaluation: the consecutive windows of the held-out text, in order.
 TextData MakeCharLmData(const TextDataOptions& o);
 
-// Masked LM (task kMaskedLm): "tokens" s32 [B, T] (masked), "targets" s32 [B, T] (the original tokens),
-// "mask_weights" f32 [B, T] (1 where a token is to be predicted). The word vocabulary (WordTokenizer) is
-// built from the training text. The training text's token stream is cut into examples
-// [CLS] w_1 .. w_{T-2} [SEP] (verses packed back to back, no padding). Of each example's T-2 word
-// positions, each is selected with probability 0.15 (at least one per example); a selected token becomes
-// [MASK] with probability 0.8, a random word with 0.1 and stays with 0.1. The choice depends only on
-// (seed, epoch, example index), so Seek and any batch split give the same examples; evaluation examples
-// (the held-out books) are masked the same way with a fixed key, identical at every evaluation.
-// Example order and Seek as for the character LM.
+// Masked LM with next-sentence pairs (task kMaskedLm, bert's pre-training data): "tokens" s32 [B, T]
+// (masked), "segments" s32 [B, T] (token types), "targets" s32 [B, T] (the original tokens),
+// "mask_weights" f32 [B, T] (1 where a token is to be predicted), "next_sentence" s32 [B]. The word
+// vocabulary (WordTokenizer) is built from the training text. The training text's token stream
+// (verses back to back) is cut into chunks of W = T - 3 words, one example each: [CLS] A [SEP] B [SEP]
+// with A the start of the chunk (a random length in [W/4, W - W/4]) and B, with probability 0.5, the
+// rest of the chunk, the words that follow A (next_sentence 1), else as many words from a random other
+// place of the same split (0). Segments are 0 for [CLS] A [SEP], 1 for B [SEP]; there is no padding.
+// Of each example's W word positions ([CLS] and [SEP] never), each is selected with probability 0.15
+// (at least one per example); a selected token becomes [MASK] with probability 0.8, a random word with
+// 0.1 and stays with 0.1. The choices depend only on (seed, epoch, example index), so Seek and any
+// batch split give the same examples; evaluation examples (the held-out books) are drawn the same way
+// with a fixed key, identical at every evaluation. Example order and Seek as for the character LM.
 TextData MakeMaskedLmData(const TextDataOptions& o);
 
 // ---- The pieces, for tests and tools. ----

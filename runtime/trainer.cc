@@ -169,20 +169,34 @@ void MetricSum::Add(models::Task task, const Tensor& logits, const TensorMap& in
 }
 
 EvalResult EvaluateSet(Executor& exec, const ir::Module& forward, const EvalSet& set, models::Task task) {
+  ExecutorTrainable model(exec, forward);
+  return EvaluateSet(model, set, task);
+}
+
+EvalResult EvaluateSet(Trainable& model, const EvalSet& set, models::Task task) {
   const int64_t batches = set.num_batches();
   if (batches == 0) throw Error(Str("evaluation: ", set.Describe(), " has no batch"));
   MetricSum metric;
   double loss_sum = 0;
+  int64_t nsp_correct = 0, nsp_count = 0;
   TensorMap in;
   for (int64_t i = 0; i < batches; ++i) {
     set.Batch(i, &in);
-    TensorMap out = exec.Forward(forward, in);
+    TensorMap out = model.EvaluateBatch(in);
     auto logits = out.find("logits");
     if (logits == out.end()) throw Error("evaluation: the forward program has no \"logits\" output");
     metric.Add(task, logits->second, in);
     loss_sum += out.at("loss").f32[0];
+    auto nsp = out.find("nsp_logits");
+    auto next = in.find("next_sentence");
+    if (nsp != out.end() && next != in.end()) {
+      nsp_correct += CountCorrect(nsp->second, next->second);
+      nsp_count += next->second.elements();
+    }
   }
-  return {metric.value(), loss_sum / batches};
+  EvalResult r{metric.value(), loss_sum / batches};
+  if (nsp_count > 0) r.nsp_accuracy = static_cast<double>(nsp_correct) / nsp_count;
+  return r;
 }
 
 namespace {
@@ -208,6 +222,12 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, const Dataset&
 
 TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& train_source, const EvalSet* test,
                   models::Task task, const TrainOptions& o, std::ostream& log) {
+  ExecutorTrainable model(exec, forward_eval);
+  return Train(model, train_source, test, task, o, log);
+}
+
+TrainResult Train(Trainable& model, BatchSource& train_source, const EvalSet* test, models::Task task,
+                  const TrainOptions& o, std::ostream& log) {
   const std::string metric_key = MetricKey(task);
   std::ofstream metrics;
   // Resuming: the curves of steps 1..start_step, from the metrics file when there is one (else NaN: blank).
@@ -244,18 +264,22 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& t
   auto eval = [&](int64_t step) {
     if (!test) return;
     auto t0 = Clock::now();
-    const EvalResult r = EvaluateSet(exec, forward_eval, *test, task);
+    const EvalResult r = EvaluateSet(model, *test, task);
     result.test_metric = r.metric;
     result.test_loss = r.loss;
     if (task == kClassificationTask) result.test_accuracy = r.metric;
     result.curves.evals.push_back({step, r.metric, r.loss});
     log << "eval  step " << step << "  test " << (task == kClassificationTask ? "accuracy" : metric_key.c_str())
-        << " " << std::fixed << std::setprecision(4) << r.metric << "  test loss " << r.loss << "  ("
+        << " " << std::fixed << std::setprecision(4) << r.metric;
+    if (r.nsp_accuracy >= 0) log << "  nsp accuracy " << r.nsp_accuracy;  // bert's next-sentence head
+    log << "  test loss " << r.loss << "  ("
         << Duration(Seconds(t0, Clock::now())) << ")\n"
         << std::defaultfloat << std::flush;
     if (metrics)
       metrics << "{\"split\":\"test\",\"step\":" << step << ",\"" << metric_key << "\":" << Num(r.metric)
-              << ",\"loss\":" << Num(r.loss) << "}\n" << std::flush;
+              << ",\"loss\":" << Num(r.loss)
+              << (r.nsp_accuracy >= 0 ? Str(",\"nsp_accuracy\":", Num(r.nsp_accuracy)) : std::string()) << "}\n"
+              << std::flush;
   };
 
   const auto start = Clock::now();
@@ -268,11 +292,11 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& t
     const double data_ms = Seconds(d0, Clock::now()) * 1e3;
     if (!o.save_batches.empty())
       for (const auto& [name, t] : in) saved_batches[Str("step", step - 1, "/", name)] = t;
-    const double comm0 = exec.CommunicationSeconds();
+    const double comm0 = model.CommunicationSeconds();
     auto t0 = Clock::now();
-    TensorMap out = exec.Step(in);
+    TensorMap out = model.TrainStep(in);
     auto t1 = Clock::now();
-    const double comm_ms = (exec.CommunicationSeconds() - comm0) * 1e3;
+    const double comm_ms = (model.CommunicationSeconds() - comm0) * 1e3;
     double loss = out.at("loss").f32[0];
     result.losses.push_back(loss);
     result.curves.loss.push_back(loss);
@@ -284,7 +308,7 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& t
     const bool guarded = finite != out.end() && o.on_nonfinite != TrainOptions::OnNonfinite::kIgnore;
     if (guarded && finite->second.f32[0] == 0) {
       if (o.on_nonfinite == TrainOptions::OnNonfinite::kStop)
-        throw Error(DescribeNonfiniteStep(step, in, out, exec.LogicalState()) + " (--on-nonfinite stop)");
+        throw Error(DescribeNonfiniteStep(step, in, out, model.LogicalState()) + " (--on-nonfinite stop)");
       skipped = true;
       ++result.skipped_steps;
     }
@@ -316,7 +340,7 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& t
       meta[kMetaDataPosition] = std::to_string(it.position());
       meta[kMetaSkippedSteps] = std::to_string(result.skipped_steps);
       std::vector<std::string> removed;
-      const std::string path = SavePeriodicCheckpoint(o.checkpoint_dir, step, exec.LogicalState(), meta, o.keep, &removed);
+      const std::string path = SavePeriodicCheckpoint(o.checkpoint_dir, step, model.LogicalState(), meta, o.keep, &removed);
       log << "checkpoint " << path;
       for (size_t i = 0; i < removed.size(); ++i) log << (i ? ", " : " (removed ") << removed[i];
       log << (removed.empty() ? "" : ")") << "\n" << std::flush;
@@ -336,7 +360,7 @@ TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& t
   }
   if (!o.save.empty()) {
     RemoveStaleTemporaryFiles(o.save, log);
-    SaveCheckpoint(o.save, exec.LogicalState());
+    SaveCheckpoint(o.save, model.LogicalState());
     log << "saved checkpoint " << o.save << "\n";
   }
   return result;

@@ -98,11 +98,45 @@ struct MetricSum {
   double value() const { return count ? sum / count : 0; }
 };
 
+// What the training loop drives. shardstep::Session (api/session.h) implements it: the loop lives in the
+// runtime, which must not depend on the API above it, so it sees only this interface. ExecutorTrainable
+// adapts a bare executor plus an evaluation forward module (the runtime's own tests).
+class Trainable {
+ public:
+  virtual ~Trainable() = default;
+  // One training step on the global batch: "loss" averaged over the replicas and, with the non-finite
+  // guard, "step_finite" and the "grad_check/<weight>" outputs (replica 0's, as Executor::Step).
+  virtual TensorMap TrainStep(const TensorMap& global_batch) = 0;
+  // The evaluation forward on one batch of an EvalSet: "loss" (the batch's mean) and per-example
+  // outputs such as "logits" for every example of the batch.
+  virtual TensorMap EvaluateBatch(const TensorMap& batch) = 0;
+  virtual TensorMap LogicalState() const = 0;
+  // Wall seconds in collectives so far (Executor::CommunicationSeconds): the loop logs each step's share.
+  virtual double CommunicationSeconds() const = 0;
+};
+
+class ExecutorTrainable final : public Trainable {
+ public:
+  // `forward` (batch = the evaluation batch) must outlive this.
+  ExecutorTrainable(Executor& exec, const ir::Module& forward) : exec_(exec), forward_(forward) {}
+  TensorMap TrainStep(const TensorMap& global_batch) override { return exec_.Step(global_batch); }
+  TensorMap EvaluateBatch(const TensorMap& batch) override { return exec_.Forward(forward_, batch); }
+  TensorMap LogicalState() const override { return exec_.LogicalState(); }
+  double CommunicationSeconds() const override { return exec_.CommunicationSeconds(); }
+
+ private:
+  Executor& exec_;
+  const ir::Module& forward_;
+};
+
 struct EvalResult {
   double metric = 0;  // MetricSum::value() over the whole set
   double loss = 0;    // mean of the batches' "loss"
+  double nsp_accuracy = -1;  // next-sentence accuracy when "nsp_logits" and input "next_sentence" exist (bert)
 };
-// Runs `forward` (outputs "loss" and "logits", batch = the set's batch) over every batch of `set`.
+// Runs the evaluation forward (outputs "loss" and "logits") over every batch of `set`.
+EvalResult EvaluateSet(Trainable& model, const EvalSet& set, models::Task task);
+// The same with `forward` (batch = the set's batch) on `exec`.
 EvalResult EvaluateSet(Executor& exec, const ir::Module& forward, const EvalSet& set, models::Task task);
 
 // Evaluates `forward` (outputs "loss" and "logits", batch = eval batch) over the whole split; throws
@@ -117,8 +151,12 @@ void Evaluate(Executor& exec, const ir::Module& forward, const Dataset& data, in
 // holds a NaN or inf. The rare path only: it reads the whole state.
 std::string DescribeNonfiniteStep(int64_t step, const TensorMap& inputs, const TensorMap& outputs, const TensorMap& state);
 
-// Runs `options.steps` steps on batches of `train` (which a resume Seeks to (data_epoch,
-// data_position)). `eval` may be null (no evaluation). Progress goes to `log`.
+// Runs `options.steps` steps of `model` (a shardstep::Session, or an ExecutorTrainable) on batches of
+// `train` (which a resume Seeks to (data_epoch, data_position)). `eval` may be null (no evaluation).
+// Progress goes to `log`.
+TrainResult Train(Trainable& model, BatchSource& train, const EvalSet* eval, models::Task task,
+                  const TrainOptions& options, std::ostream& log);
+// The same on `exec`, evaluating with `forward_eval` (batch = the eval set's batch).
 TrainResult Train(Executor& exec, const ir::Module& forward_eval, BatchSource& train, const EvalSet* eval,
                   models::Task task, const TrainOptions& options, std::ostream& log);
 

@@ -6,7 +6,13 @@
 #include <memory>
 #include <random>
 
+#include <sstream>
+
 #include "runtime/checkpoint.h"
+#include "runtime/dataset.h"
+#include "runtime/image_data.h"
+#include "runtime/sharding.h"
+#include "runtime/trainer.h"
 #include "shardstep/shardstep.h"
 #include "tests/test_util.h"
 
@@ -49,6 +55,31 @@ Mlp MakeMlp(int replicas, bool shard) {
                   .shard_weight_update(shard)
                   .build();
   return r;
+}
+
+// The blobs MLP's evaluation forward at another batch (the same variables), lowered in evaluation mode.
+ir::Module MlpForward(int64_t batch) {
+  dsl::Model m("mlp_blobs", 1);
+  auto x = m.input("image", dsl::f32({batch, 2}));
+  auto y = m.input("label", dsl::s32({batch}));
+  auto logits = x.dense(32, "fc1").relu().dense(3, "fc2");
+  m.output("logits", logits);
+  m.train(logits.cross_entropy_mean(y));
+  return m.lower(1, dsl::Mode::kEval);
+}
+
+// Mean cross-entropy of `logits` [n, C] against `labels` [n], in double.
+double MeanCrossEntropy(const Tensor& logits, const Tensor& labels) {
+  const int64_t n = logits.shape()[0], c = logits.shape()[1];
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = logits.f32.data() + i * c;
+    double m = row[0], z = 0;
+    for (int64_t j = 1; j < c; ++j) m = std::max<double>(m, row[j]);
+    for (int64_t j = 0; j < c; ++j) z += std::exp(row[j] - m);
+    sum += m + std::log(z) - row[labels.s32[i]];
+  }
+  return sum / n;
 }
 
 void RequireClose(const Tensor& a, const Tensor& b, double tol) {
@@ -221,4 +252,110 @@ TEST_CASE("session: a registered backend is found by name") {
   CHECK(made == 1);
   const TensorMap batch = Blobs(kBatch, 11);
   CHECK(custom.Step(batch).at("loss") == interp.Step(batch).at("loss"));  // the same interpreter, bitwise
+}
+
+TEST_CASE("session: Evaluate on any number of examples is the mean over those examples") {
+  Mlp mlp = MakeMlp(2, true);
+  Session s(*mlp.model, mlp.program, "cpu");
+  for (int step = 0; step < 5; ++step) s.Step(Blobs(kBatch, step));
+  // 100 = a full chunk of 64 and one of 36 real rows and 28 zero rows; 5 = one padded chunk; 128 = two full.
+  for (int64_t n : {100, 5, 128, 64}) {
+    INFO(n << " examples");
+    const TensorMap batch = Blobs(n, 50);
+    const TensorMap e = s.Evaluate(batch);
+    const Tensor logits = s.Predict({{"image", batch.at("image")}}).at("logits");
+    REQUIRE(e.at("logits").shape() == ir::Shape{n, 3});
+    RequireClose(e.at("logits"), logits, 1e-6);
+    const double want = MeanCrossEntropy(logits, batch.at("label"));
+    CHECK(e.at("loss").f32[0] == Approx(want).epsilon(1e-5));
+  }
+  CHECK(s.step() == 5);  // evaluating changes nothing
+  // Inputs that disagree on the number of examples.
+  TensorMap bad = Blobs(10, 1);
+  bad["label"] = Blobs(11, 1).at("label");
+  CHECK_THROWS_WITH(s.Evaluate(bad), Catch::Contains("disagree") && Catch::Contains("s32[11]"));
+}
+
+TEST_CASE("session: built from lowered modules, with the evaluation forward at its own batch") {
+  Mlp mlp = MakeMlp(2, true);
+  Session a(*mlp.model, mlp.program, "cpu");
+  Session b(mlp.program.step, MlpForward(10), "cpu");
+  REQUIRE(b.has_forward());
+  for (int step = 0; step < 3; ++step) CHECK(a.Step(Blobs(kBatch, step)).at("loss") == b.Step(Blobs(kBatch, step)).at("loss"));
+  const TensorMap ten = Blobs(10, 9);
+  const TensorMap ea = a.Evaluate(ten), eb = b.Evaluate(ten);  // a: one padded chunk of 64; b: one run of 10
+  RequireClose(ea.at("logits"), eb.at("logits"), 1e-6);
+  CHECK(ea.at("loss").f32[0] == Approx(eb.at("loss").f32[0]).epsilon(1e-5));
+
+  // LoadState takes a logical state and the step counter; a wrong one is an Error naming the variable.
+  Session c(mlp.program.step, std::nullopt, "interp");
+  c.LoadState(a.State(), a.step());
+  CHECK(c.step() == 3);
+  CHECK(c.State().at("fc1.w") == a.State().at("fc1.w"));
+  TensorMap wrong = a.State();
+  wrong["fc1.w"] = Tensor(dsl::f32({3, 32}));
+  CHECK_THROWS_WITH(c.LoadState(wrong), Catch::Contains("fc1.w"));
+  // Without a forward module, Evaluate and Predict say so.
+  CHECK_THROWS_WITH(c.Evaluate(ten), Catch::Contains("no forward module"));
+  CHECK_THROWS_WITH(c.Predict(ten), Catch::Contains("no forward module"));
+  // A forward module over other variables, or one lowered for several replicas, is refused.
+  dsl::Model other("other", 1);
+  auto x = other.input("image", dsl::f32({10, 2}));
+  auto y = other.input("label", dsl::s32({10}));
+  auto logits = x.dense(16, "fc1").relu().dense(3, "fc2");
+  other.output("logits", logits);
+  other.train(logits.cross_entropy_mean(y));
+  CHECK_THROWS_WITH(Session(mlp.program.step, other.lower(1, dsl::Mode::kEval), "cpu"),
+                    Catch::Contains("forward variable \"fc1.") && Catch::Contains("16]"));
+  CHECK_THROWS_WITH(Session(mlp.program.step, other.lower(2, dsl::Mode::kEval), "cpu"), Catch::Contains("2 replicas"));
+  CHECK_THROWS_WITH(Session(mlp.program.step, MlpForward(10), "gpu"),
+                    Catch::Contains("\"gpu\"") && Catch::Contains("known backends:") && Catch::Contains("cpu, interp"));
+}
+
+TEST_CASE("session: runtime::Train runs on a Session as on its executor, evaluating at any batch") {
+  // Images of 784 values, 10 classes; a 2-replica sharded MLP at global batch 16.
+  const runtime::Dataset all = runtime::SyntheticClassification(300, 1, 28, 28, 10, /*seed=*/4);
+  auto train = std::make_shared<runtime::Dataset>(runtime::TakeExamples(all, 0, 200));
+  auto test = std::make_shared<runtime::Dataset>(runtime::TakeExamples(all, 200, 300));
+  auto define = [](dsl::Model& m, int64_t batch) {
+    auto x = m.input("image", dsl::f32({batch, 784}));
+    auto y = m.input("label", dsl::s32({batch}));
+    auto logits = x.dense(32, "fc1").relu().dense(10, "fc2");
+    m.output("logits", logits);
+    return logits.cross_entropy_mean(y);
+  };
+  dsl::Model model("mlp", 3), eval_model("mlp", 3);
+  const dsl::Program p = model.train(define(model, 16)).optimizer(dsl::Adam().lr(1e-3)).replicas(2).shard_weight_update(true).build();
+  eval_model.train(define(eval_model, 50));
+  const ir::Module forward50 = eval_model.lower(1, dsl::Mode::kEval);
+
+  runtime::TrainOptions o;
+  o.steps = 24;
+  o.batch = 16;
+  o.log_every = 8;
+  o.eval_every = 12;
+  auto run = [&](runtime::Trainable& t) {
+    runtime::ImageBatchSource source(train, 16, true, 11, ir::Shape{784}, "synthetic");
+    runtime::ImageEvalSet eval(test, 50, ir::Shape{784}, "synthetic");  // batches of 50
+    std::ostringstream log;
+    runtime::TrainResult r = runtime::Train(t, source, &eval, runtime::kClassificationTask, o, log);
+    CHECK_THAT(log.str(), Catch::Contains("eval  step 24  test accuracy"));
+    return r;
+  };
+  // The executor the registry makes, with the forward at the eval batch (as the CLI did before the Session).
+  auto exec = FindBackend("cpu")(p.step, runtime::InitLogicalState(p.step));
+  runtime::ExecutorTrainable bare(*exec, forward50);
+  Session at16(model, p, "cpu");                  // evaluates the batches of 50 in chunks of 16
+  Session at50(p.step, forward50, "cpu");          // the CLI's way: the forward at the eval batch
+  const runtime::TrainResult re = run(bare), r16 = run(at16), r50 = run(at50);
+  REQUIRE(re.losses.size() == 24);
+  CHECK(r16.losses == re.losses);
+  CHECK(r50.losses == re.losses);
+  CHECK(at16.step() == 24);
+  CHECK(r50.test_loss == re.test_loss);
+  CHECK(r50.test_metric == re.test_metric);
+  CHECK(r16.test_loss == Approx(re.test_loss).epsilon(1e-5));
+  CHECK(r16.test_metric == Approx(re.test_metric).margin(0.02));  // the same logits up to rounding
+  CHECK(re.test_loss < re.losses[0]);
+  CHECK(r16.curves.evals.size() == 2);
 }

@@ -1,7 +1,8 @@
 // `shardstep train` on a text model (transformer_lm on a small --data-file): evaluation reports bits per
 // character in the progress and the metrics, --save-batches holds every step's tokens and targets, a
 // resumed run continues the text data order bitwise, and --load of a checkpoint trained on text with
-// another alphabet (or at a longer --context) is an error naming the vocabulary (the context), not a shape crash.
+// another alphabet (or at a longer --context) is an error naming the vocabulary (the context), not a shape crash;
+// bert trains on sentence pairs and reports its next-sentence accuracy.
 #include <catch2/catch.hpp>
 
 #include <fstream>
@@ -88,4 +89,32 @@ TEST_CASE("a character LM trains from --data-file, resumes bitwise and saves its
   CHECK(r.status == 1);
   CHECK_THAT(r.output, Contains("--context 32 is longer than the position table of"));
   CHECK_THAT(r.output, Contains("use --context 16"));
+}
+
+TEST_CASE("bert trains on sentence pairs from --data-file and reports next-sentence accuracy") {
+  TempDir d("bert_train");
+  const std::string corpus = Corpus(d, "a.txt", "abcdefgh ");
+  auto r = Run("train --model bert --context 16 --layers 1 --width 16 --heads 2 --vocab 64 --batch 8 --eval-batch 4 "
+               "--eval-batches 2 --log-every 2 --steps 4 --lr 0.01 --backend interp --data-file " + corpus +
+               " --metrics-out " + (d / "m.jsonl") + " --save-batches " + (d / "batches.safetensors"));
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.output, Contains("eval  step 4  test masked_accuracy"));
+  CHECK_THAT(r.output, Contains("nsp accuracy"));
+  CHECK_THAT(ReadText(d / "m.jsonl"), Contains(",\"nsp_accuracy\":"));
+  auto batches = shardstep::runtime::LoadCheckpoint(d / "batches.safetensors");
+  CHECK(batches.size() == 4 * 5);  // tokens, segments, targets, mask_weights, next_sentence
+  REQUIRE(batches.count("step0/next_sentence"));
+  CHECK(batches.at("step0/next_sentence").shape() == shardstep::ir::Shape{8});
+  CHECK(batches.at("step0/segments").shape() == shardstep::ir::Shape{8, 16});
+}
+
+TEST_CASE("compile --report gives bert large the parameters of the BERT pre-training checkpoints") {
+  auto r = Run("compile --model bert --size large --batch 1 --report");
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.output, Contains("parameters: 336226108\n"));  // BertForPreTraining: 1.11% under the rounded "340M"
+  r = Run("compile --model bert --size base --batch 1 --report");
+  REQUIRE(r.status == 0);
+  CHECK_THAT(r.output, Contains("parameters: 110106428\n"));
 }

@@ -87,7 +87,8 @@ TEST_CASE("bert small learns masked KJV words", "[models][slow]") {
   o.width = 64;
   o.heads = 2;
   const Run r = Train("bert", data, o, 300, 2e-3);
-  INFO("held-out masked-LM loss " << r.before << " -> " << r.after);
-  CHECK(r.before > 7.0);  // ~ln 2000 = 7.6 at initialisation
-  CHECK(r.after < 6.0);
+  // The loss is masked LM + next sentence (~ln 2 = 0.69 at chance): the masked-LM part below 6.0.
+  INFO("held-out masked-LM + NSP loss " << r.before << " -> " << r.after);
+  CHECK(r.before > 7.0);  // ~ln 2000 + ln 2 = 8.3 at initialisation
+  CHECK(r.after < 6.0 + std::log(2.0));
 }

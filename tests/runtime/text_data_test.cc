@@ -261,6 +261,8 @@ TEST_CASE("Text data options errors are clear", "[text_data]") {
   o.vocab_size = 0;
   o.context = 2;
   CHECK_THROWS_WITH(MakeMaskedLmData(o), Contains("--context 2 is too short"));
+  o.context = 4;
+  CHECK_THROWS_WITH(MakeMaskedLmData(o), Contains("--context 4 is too short for [CLS] A [SEP] B [SEP] (at least 5)"));
   o.context = 16;
   o.eval_batch = 100000;
   CHECK_THROWS_WITH(MakeCharLmData(o), Contains("too short for one eval batch"));
@@ -327,7 +329,8 @@ TEST_CASE("Word tokenizer: lowercased words and punctuation, stable ids", "[text
   for (int32_t i = 0; i < k.size(); ++i) REQUIRE(k.word(i) == k2.word(i));
 }
 
-TEST_CASE("Masked LM: shapes, [CLS]/[SEP], 15% selected with 80/10/10, determinism and Seek", "[text_data]") {
+TEST_CASE("Masked LM: shapes, [CLS] A [SEP] B [SEP] pairs, 15% selected with 80/10/10, determinism and Seek",
+          "[text_data]") {
   ScopedCache cache;
   TextDataOptions o;
   o.context = 64;
@@ -336,23 +339,46 @@ TEST_CASE("Masked LM: shapes, [CLS]/[SEP], 15% selected with 80/10/10, determini
   o.seed = 3;
   TextData d = MakeMaskedLmData(o);
   CHECK(d.vocab == 8192);
-  int64_t positions = 0, selected = 0, masked = 0, random = 0, kept = 0;
+  int64_t positions = 0, selected = 0, masked = 0, random = 0, kept = 0, examples = 0, next = 0;
+  int64_t shortest_a = 64, longest_a = 0;
   auto batches = Batches(*d.train, 40);
   for (const TensorMap& m : batches) {
-    REQUIRE(m.size() == 3);
+    REQUIRE(m.size() == 5);
     const Tensor& tok = m.at("tokens");
     const Tensor& tgt = m.at("targets");
     const Tensor& w = m.at("mask_weights");
+    const Tensor& seg = m.at("segments");
+    const Tensor& ns = m.at("next_sentence");
     REQUIRE(tok.type == ir::TensorType{ir::DType::kS32, {32, 64}});
     REQUIRE(tgt.type == ir::TensorType{ir::DType::kS32, {32, 64}});
     REQUIRE(w.type == ir::TensorType{ir::DType::kF32, {32, 64}});
+    REQUIRE(seg.type == ir::TensorType{ir::DType::kS32, {32, 64}});
+    REQUIRE(ns.type == ir::TensorType{ir::DType::kS32, {32}});
     for (int64_t b = 0; b < 32; ++b) {
+      ++examples;
+      REQUIRE((ns.s32[b] == 0 || ns.s32[b] == 1));
+      next += ns.s32[b];
       CHECK(tok.s32[b * 64] == WordTokenizer::kCls);
       CHECK(tok.s32[b * 64 + 63] == WordTokenizer::kSep);
       CHECK(w.f32[b * 64] == 0.0f);
       CHECK(w.f32[b * 64 + 63] == 0.0f);
+      // Exactly one [SEP] inside: the end of A; segment 0 up to it, 1 after it.
+      int64_t sep_a = -1;
+      for (int64_t t = 1; t < 63; ++t) {
+        if (tgt.s32[b * 64 + t] != WordTokenizer::kSep) continue;
+        CHECK(sep_a == -1);
+        sep_a = t;
+      }
+      REQUIRE(sep_a >= 2);
+      REQUIRE(sep_a <= 61);
+      shortest_a = std::min(shortest_a, sep_a - 1);
+      longest_a = std::max(longest_a, sep_a - 1);
+      CHECK(tok.s32[b * 64 + sep_a] == WordTokenizer::kSep);
+      CHECK(w.f32[b * 64 + sep_a] == 0.0f);
+      for (int64_t t = 0; t < 64; ++t) REQUIRE(seg.s32[b * 64 + t] == (t <= sep_a ? 0 : 1));
       int64_t in_example = 0;
       for (int64_t t = 1; t < 63; ++t) {
+        if (t == sep_a) continue;
         const int64_t i = b * 64 + t;
         ++positions;
         REQUIRE((w.f32[i] == 0.0f || w.f32[i] == 1.0f));
@@ -372,7 +398,13 @@ TEST_CASE("Masked LM: shapes, [CLS]/[SEP], 15% selected with 80/10/10, determini
   }
   const double rate = static_cast<double>(selected) / positions;
   INFO("selected " << selected << " of " << positions);
-  CHECK(std::abs(rate - 0.15) < 0.005);  // 79,360 positions: sd 0.0013
+  CHECK(positions == examples * 61);
+  CHECK(std::abs(rate - 0.15) < 0.005);  // 78,080 positions: sd 0.0013
+  // About half the pairs are next (1,280 examples: sd 0.014); A's length spans [W/4, W - W/4], W = 61.
+  INFO("next " << next << " of " << examples << ", A from " << shortest_a << " to " << longest_a << " words");
+  CHECK(std::abs(static_cast<double>(next) / examples - 0.5) < 0.05);
+  CHECK(shortest_a == 15);
+  CHECK(longest_a == 46);
   CHECK(std::abs(static_cast<double>(masked) / selected - 0.8) < 0.02);
   CHECK(std::abs(static_cast<double>(random) / selected - 0.1) < 0.015);
   CHECK(std::abs(static_cast<double>(kept) / selected - 0.1) < 0.015);
@@ -385,12 +417,14 @@ TEST_CASE("Masked LM: shapes, [CLS]/[SEP], 15% selected with 80/10/10, determini
   CHECK(m.at("tokens") == batches[17].at("tokens"));
   CHECK(m.at("mask_weights") == batches[17].at("mask_weights"));
   CHECK(m.at("targets") == batches[17].at("targets"));
+  CHECK(m.at("segments") == batches[17].at("segments"));
+  CHECK(m.at("next_sentence") == batches[17].at("next_sentence"));
   o.seed = 4;
   TextData d3 = MakeMaskedLmData(o);
   d3.train->Next(&m);
   CHECK(!(m.at("mask_weights") == batches[0].at("mask_weights")));
 
-  // A new epoch masks the same sequence differently (new key), with the same words.
+  // A new epoch draws the same chunk's pair and masks anew (new key): A starts with the same words.
   o.seed = 3;
   o.shuffle = false;
   o.batch = 4;
@@ -399,7 +433,8 @@ TEST_CASE("Masked LM: shapes, [CLS]/[SEP], 15% selected with 80/10/10, determini
   e.train->Next(&first);
   e.train->Seek(1, 0);
   e.train->Next(&again);
-  CHECK(first.at("targets") == again.at("targets"));
+  for (int64_t b = 0; b < 4; ++b)
+    for (int64_t t = 0; t <= 15; ++t) CHECK(first.at("targets").s32[b * 64 + t] == again.at("targets").s32[b * 64 + t]);
   CHECK(!(first.at("mask_weights") == again.at("mask_weights")));
 
   // Evaluation: the same masks at every call; held-out words only.
@@ -408,6 +443,72 @@ TEST_CASE("Masked LM: shapes, [CLS]/[SEP], 15% selected with 80/10/10, determini
   d.eval->Batch(2, &v2);
   CHECK(v1.at("tokens") == v2.at("tokens"));
   CHECK(v1.at("mask_weights") == v2.at("mask_weights"));
+  CHECK(v1.at("segments") == v2.at("segments"));
+  CHECK(v1.at("next_sentence") == v2.at("next_sentence"));
   CHECK(v1.at("tokens").type == ir::TensorType{ir::DType::kS32, {8, 64}});
+  CHECK(v1.at("next_sentence").type == ir::TensorType{ir::DType::kS32, {8}});
   CHECK(d.eval->num_batches() > 100);
+}
+
+TEST_CASE("Masked LM pairs: B follows A in the text exactly when next_sentence is 1", "[text_data]") {
+  // Every word of the corpus is distinct, so a word's id says where it is in the token stream.
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 400; ++i) {
+    for (int k = 0; k < 8; ++k) text += "w" + std::to_string(i) + "x" + std::to_string(k) + (k < 7 ? " " : "\n");
+  }
+  WriteText(dir / "pairs.txt", text);
+  TextDataOptions o;
+  o.file = dir / "pairs.txt";
+  o.context = 20;  // W = 17 words
+  o.batch = 16;
+  o.eval_batch = 4;
+  o.seed = 11;
+  TextData d = MakeMaskedLmData(o);
+  const TextCorpus corpus = LoadTextFile(o.file);
+  const WordTokenizer tok(corpus.TrainText(), 0);
+  REQUIRE(d.vocab == tok.size());
+  const std::vector<int32_t> stream = tok.Encode(corpus.TrainText());
+  std::vector<int64_t> where(tok.size(), -1);
+  for (size_t i = 0; i < stream.size(); ++i) {
+    REQUIRE(stream[i] >= WordTokenizer::kNumSpecial);  // every training word is in the vocabulary
+    REQUIRE(where[stream[i]] == -1);                   // and distinct
+    where[stream[i]] = static_cast<int64_t>(i);
+  }
+  const int64_t t = 20, w = 17;
+  int64_t next = 0, examples = 0;
+  for (const TensorMap& m : Batches(*d.train, 20)) {
+    const Tensor& tgt = m.at("targets");
+    for (int64_t b = 0; b < 16; ++b) {
+      const int32_t* row = &tgt.s32[b * t];
+      int64_t sep_a = 1;
+      while (row[sep_a] != WordTokenizer::kSep) ++sep_a;
+      const int64_t len_a = sep_a - 1, len_b = w - len_a;
+      // A is a run of the stream starting at a chunk boundary.
+      const int64_t a = where[row[1]];
+      CHECK(a % w == 0);
+      for (int64_t j = 0; j < len_a; ++j) REQUIRE(where[row[1 + j]] == a + j);
+      // B is a run of the stream too, right after A exactly when next_sentence is 1.
+      const int64_t bpos = where[row[sep_a + 1]];
+      for (int64_t j = 0; j < len_b; ++j) REQUIRE(where[row[sep_a + 1 + j]] == bpos + j);
+      const bool is_next = m.at("next_sentence").s32[b] == 1;
+      INFO("A at " << a << " (" << len_a << " words), B at " << bpos);
+      if (is_next) {
+        CHECK(bpos == a + len_a);
+      } else {
+        CHECK(std::abs(bpos - (a + len_a)) >= w);  // from another place, not near the continuation
+      }
+      next += is_next;
+      ++examples;
+    }
+  }
+  INFO("next " << next << " of " << examples);
+  CHECK(std::abs(static_cast<double>(next) / examples - 0.5) < 0.1);  // 320 examples: sd 0.028
+  // Held-out pairs: from the held-out lines only (their words are not in the vocabulary: [UNK]).
+  TensorMap v;
+  d.eval->Batch(0, &v);
+  for (int64_t i = 0; i < 4 * t; ++i) {
+    const int32_t x = v.at("targets").s32[i];
+    CHECK((x == WordTokenizer::kUnk || x == WordTokenizer::kCls || x == WordTokenizer::kSep));
+  }
 }
