@@ -20,8 +20,9 @@
 //     a cycle of such reads goes through a staging buffer (jit/buffer_plan.h SequenceAssignments).
 // Lowering of the non-fused ops: matmul -> oneDNN sgemm (batched: one per batch element,
 // jit/native_ops.h); broadcast, transpose, slice, pad, concat -> strided copies; reductions and
-// gather -> native loops with the interpreter's summation order; conv2d and its gradients -> im2col +
-// oneDNN sgemm per image, max pooling -> native loops (jit/cpu_kernels.h); avg pooling, scatter-add,
+// gather -> native loops with the interpreter's summation order; conv2d and its gradients -> oneDNN
+// convolution primitives or im2col + oneDNN sgemm per image, chosen per shape at planning
+// (jit/dnnl_conv.h), max pooling -> native loops (jit/cpu_kernels.h); avg pooling, scatter-add,
 // s32 division, iota -> native loops (jit/native_ops.h); random_uniform -> the JIT's own Philox
 // (jit/random_lowering.h); one-hot -> a native loop; collectives -> the runtime Collectives. The
 // interpreter's kernel on a one-op module (kReference) remains as a fallback for a future op with no
@@ -52,6 +53,7 @@
 #include "jit/buffer_plan.h"
 #include "jit/cpu_kernels.h"
 #include "jit/data_movement.h"
+#include "jit/dnnl_conv.h"
 #include "jit/dnnl_kernels.h"
 #include "jit/native_ops.h"
 #include "jit/random_lowering.h"
@@ -277,6 +279,21 @@ void CompiledStep::Plan() {
     }
     const ValueId out = r.Append(op);
     r.outputs.push_back({"y", out});
+  }
+
+  // Convolutions: the path and oneDNN's primitives, chosen and built once per shape (jit/dnnl_conv.h).
+  conv_.assign(n, nullptr);
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (kernel_of[v] >= 0 || LoweringOf(m_, v) != Lowering::kNative) continue;
+    if (in.op != OpCode::kConv2d && in.op != OpCode::kConv2dInputGrad && in.op != OpCode::kConv2dFilterGrad) continue;
+    bool f32 = in.type.dtype == DType::kF32;
+    for (ValueId o : in.operands) f32 &= m_.type(o).dtype == DType::kF32;
+    if (!f32) continue;  // RunInstr reports it
+    const Shape &a = m_.type(in.operands[0]).shape, &b = m_.type(in.operands[1]).shape;
+    if (in.op == OpCode::kConv2d) conv_[v] = PlannedConv(ConvKind::kForward, ConvShapeOf(a, b, in));
+    else if (in.op == OpCode::kConv2dInputGrad) conv_[v] = PlannedConv(ConvKind::kInputGrad, ConvShapeOf(in.type.shape, b, in));
+    else conv_[v] = PlannedConv(ConvKind::kFilterGrad, ConvShapeOf(a, in.type.shape, in));
   }
 
   // 4. What the driver does at each step; constants need nothing at run time (filled at allocation).
@@ -594,6 +611,10 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       const float* a = static_cast<const float*>(P(0));
       const float* b = static_cast<const float*>(P(1));
       float* y = static_cast<float*>(out);
+      if (conv_[v]) {
+        conv_[v]->Run(a, b, y);
+        return;
+      }
       if (in.op == OpCode::kConv2d) Conv2dForward(ConvShapeOf(shape(0), shape(1), in), a, b, y);
       else if (in.op == OpCode::kConv2dInputGrad) Conv2dInputGrad(ConvShapeOf(in.type.shape, shape(1), in), a, b, y);
       else Conv2dFilterGrad(ConvShapeOf(shape(0), in.type.shape, in), a, b, y);

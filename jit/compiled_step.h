@@ -38,6 +38,7 @@ enum class Lowering { kLeaf, kAlias, kFused, kNative, kMatmul, kCollective, kRef
 Lowering LoweringOf(const ir::Module& m, ir::ValueId v);
 
 class CompiledStep;
+class ConvKernel;
 
 // Per-replica buffers of one CompiledStep: allocated at the first Run, reused by every later step.
 struct Workspace {
@@ -105,6 +106,7 @@ class CompiledStep {
   int64_t staging_bytes_ = 0;
   std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
   std::shared_ptr<JitCompiler> jit_;
+  std::vector<std::shared_ptr<const ConvKernel>> conv_;  // per value: its convolution, planned (jit/dnnl_conv.h)
 };
 
 // The LLVM IR of `m`'s fused kernels after O3 (`shardstep compile --emit=llvm`).

@@ -1,0 +1,388 @@
+// Convolutions planned once per shape (see dnnl_conv.h).
+//
+// A oneDNN kernel is built for a block of a fixed number of images (plus one for the last, smaller
+// block when the batch does not divide). Each block runs as a TBB task with one OpenMP thread: the
+// primitives are created with one OpenMP thread too, since oneDNN fixes its work split when it builds
+// a primitive. Each block's blocked operands and oneDNN's scratchpad (user mode: oneDNN allocates none)
+// live in the calling thread's buffer, which only grows; the memory objects over them are made per
+// block (small objects oneDNN allocates, as its execute does for its argument map). With blocked
+// layouts the weights are reordered once per call by the calling thread and read by every block (when
+// the blocked weights carry no padding, which oneDNN would rewrite when a block binds them; else each
+// block reorders them itself).
+#include "jit/dnnl_conv.h"
+
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <dnnl.hpp>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "ir/error.h"
+#include "jit/dnnl_kernels.h"
+
+namespace shardstep::jit {
+namespace {
+
+using dnnl::memory;
+using Tag = memory::format_tag;
+
+const dnnl::engine& Engine() {
+  static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+constexpr int64_t kFilterGradGroups = 8;  // as Conv2dFilterGrad: the same blocks of images
+
+// One argument of a block's convolution, as the step holds it (plain) and as the primitive reads it.
+struct Arg {
+  int id = 0;                 // DNNL_ARG_*
+  bool shared = false;        // the weights of the forward pass / input gradient: one per call
+  bool output = false;
+  memory::desc user, prim;
+  bool reordered = false;     // prim != user: a reorder (user -> prim, or prim -> user for the output)
+  dnnl::reorder reorder;
+};
+
+// The primitives for blocks of `images` images.
+struct Block {
+  int64_t images = 0;
+  dnnl::primitive conv;
+  Arg args[3];                // a, b, out (see ConvKernel::Run)
+  size_t scratch = 0;         // bytes: the largest scratchpad among the convolution and its reorders
+  bool share_weights = false;
+  // A block's slice of the Work buffer: the reordered operands at prim_offset[i], then the scratchpad.
+  size_t prim_offset[3] = {0, 0, 0}, scratch_offset = 0, work_bytes = 0;
+  memory::desc scratch_md;
+};
+
+}  // namespace
+
+struct ConvKernel::Impl {
+  int64_t per_block = 0;      // images per block
+  std::vector<Block> blocks;  // [0]: per_block images; [1]: the remainder, when there is one
+  std::string describe;
+};
+
+namespace {
+
+// A oneDNN memory object over storage we own, made per block: through the C API, so the only
+// allocations are oneDNN's own small ones (the C++ handles would add a shared_ptr per object).
+struct Mem {
+  dnnl_memory_t m = nullptr;
+  Mem() = default;
+  Mem(const memory::desc& md, void* handle) {
+    const dnnl_status_t st = dnnl_memory_create(&m, &md.data, Engine().get(), handle);
+    SS_CHECK(st == dnnl_success, "oneDNN memory creation failed with status ", static_cast<int>(st));
+  }
+  Mem(const Mem&) = delete;
+  Mem& operator=(Mem&& o) noexcept {
+    std::swap(m, o.m);
+    return *this;
+  }
+  ~Mem() {
+    if (m) dnnl_memory_destroy(m);
+  }
+};
+
+// Per calling (replica) thread, grown only, 64-byte aligned: every block's blocked operands and
+// scratchpad (Work: a slice per block, so TBB workers keep no state and a step after the first grows
+// nothing), and the reordered weights (Weights).
+char* Grown(std::vector<char>& v, size_t bytes) {
+  if (v.size() < bytes + 64) v.resize(bytes + 64);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + (64 - p % 64) % 64;
+}
+char* Work(size_t bytes) {
+  thread_local std::vector<char> v;
+  return Grown(v, bytes);
+}
+char* Weights(size_t bytes) {
+  thread_local std::vector<char> v;
+  return Grown(v, bytes);
+}
+
+struct Stream {
+  dnnl_stream_t s = nullptr;
+  Stream() {
+    const dnnl_status_t st = dnnl_stream_create(&s, Engine().get(), dnnl_stream_default_flags);
+    SS_CHECK(st == dnnl_success, "oneDNN stream creation failed with status ", static_cast<int>(st));
+  }
+  ~Stream() { dnnl_stream_destroy(s); }
+};
+dnnl_stream_t ThreadStream() {
+  thread_local Stream s;
+  return s.s;
+}
+
+void Execute(const dnnl::primitive& p, std::initializer_list<dnnl_exec_arg_t> args) {
+  // The C entry point: no argument map of our own per call.
+  const dnnl_status_t st = dnnl_primitive_execute(p.get(), ThreadStream(), static_cast<int>(args.size()), args.begin());
+  SS_CHECK(st == dnnl_success, "oneDNN convolution failed with status ", static_cast<int>(st));
+}
+
+void Reorder(const Arg& a, dnnl_memory_t from, dnnl_memory_t to, dnnl_memory_t scratch) {
+  Execute(a.reorder, {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}, {DNNL_ARG_SCRATCHPAD, scratch}});
+}
+
+// Sets the OpenMP threads of the calling thread for the scope (primitives are built with one).
+struct OneOmpThread {
+  int before = OmpMaxThreads();
+  OneOmpThread() { SetOmpThreads(1); }
+  ~OneOmpThread() {
+    if (before > 0) SetOmpThreads(before);
+  }
+};
+
+memory::desc Md(memory::dims d, Tag t) { return memory::desc(d, memory::data_type::f32, t); }
+
+Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked) {
+  const memory::dims x{images, g.c, g.h, g.w}, w{g.o, g.c, g.kh, g.kw}, y{images, g.o, g.oh, g.ow};
+  const memory::dims strides{g.sh, g.sw}, pad{g.ph, g.pw};
+  const Tag act = blocked ? Tag::any : Tag::nchw, wt = blocked ? Tag::any : Tag::oihw;
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  const auto alg = dnnl::algorithm::convolution_direct;
+  const dnnl::convolution_forward::primitive_desc fwd(
+      dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg, Md(x, act), Md(w, wt), Md(y, act), strides,
+                                      pad, pad),
+      attr, Engine());
+  Block b;
+  b.images = images;
+  dnnl::primitive_desc_base pd = fwd;
+  auto arg = [](int id, memory::desc user, memory::desc prim, bool shared, bool output) {
+    Arg a;
+    a.id = id;
+    a.user = user;
+    a.prim = prim;
+    a.shared = shared;
+    a.output = output;
+    a.reordered = user != prim;
+    return a;
+  };
+  if (kind == ConvKind::kForward) {
+    b.conv = dnnl::convolution_forward(fwd);
+    b.args[0] = arg(DNNL_ARG_SRC, Md(x, Tag::nchw), fwd.src_desc(), false, false);
+    b.args[1] = arg(DNNL_ARG_WEIGHTS, Md(w, Tag::oihw), fwd.weights_desc(), true, false);
+    b.args[2] = arg(DNNL_ARG_DST, Md(y, Tag::nchw), fwd.dst_desc(), false, true);
+  } else if (kind == ConvKind::kInputGrad) {
+    const dnnl::convolution_backward_data::primitive_desc bwd(
+        dnnl::convolution_backward_data::desc(alg, Md(x, act), Md(w, wt), Md(y, act), strides, pad, pad), attr, Engine(),
+        fwd);
+    pd = bwd;
+    b.conv = dnnl::convolution_backward_data(bwd);
+    b.args[0] = arg(DNNL_ARG_DIFF_DST, Md(y, Tag::nchw), bwd.diff_dst_desc(), false, false);
+    b.args[1] = arg(DNNL_ARG_WEIGHTS, Md(w, Tag::oihw), bwd.weights_desc(), true, false);
+    b.args[2] = arg(DNNL_ARG_DIFF_SRC, Md(x, Tag::nchw), bwd.diff_src_desc(), false, true);
+  } else {
+    const dnnl::convolution_backward_weights::primitive_desc bwd(
+        dnnl::convolution_backward_weights::desc(alg, Md(x, act), Md(w, wt), Md(y, act), strides, pad, pad), attr,
+        Engine(), fwd);
+    pd = bwd;
+    b.conv = dnnl::convolution_backward_weights(bwd);
+    b.args[0] = arg(DNNL_ARG_SRC, Md(x, Tag::nchw), bwd.src_desc(), false, false);
+    b.args[1] = arg(DNNL_ARG_DIFF_DST, Md(y, Tag::nchw), bwd.diff_dst_desc(), false, false);
+    b.args[2] = arg(DNNL_ARG_DIFF_WEIGHTS, Md(w, Tag::oihw), bwd.diff_weights_desc(), false, true);
+  }
+  b.scratch = pd.scratchpad_desc().get_size();
+  for (Arg& a : b.args) {
+    if (!a.reordered) continue;
+    const dnnl::reorder::primitive_desc r = a.output ? dnnl::reorder::primitive_desc(Engine(), a.prim, Engine(), a.user, attr)
+                                                     : dnnl::reorder::primitive_desc(Engine(), a.user, Engine(), a.prim, attr);
+    a.reorder = dnnl::reorder(r);
+    b.scratch = std::max(b.scratch, r.scratchpad_desc().get_size());
+  }
+  // Blocked weights padded past O or C would be re-zeroed by oneDNN whenever a block binds them.
+  const Arg& wa = b.args[1];
+  b.share_weights = wa.shared && wa.reordered && wa.prim.get_size() == wa.user.get_size();
+  auto round = [](size_t bytes) { return (bytes + 63) / 64 * 64; };
+  for (int i = 0; i < 3; ++i) {
+    b.prim_offset[i] = b.work_bytes;
+    if (b.args[i].reordered && !(b.args[i].shared && b.share_weights)) b.work_bytes += round(b.args[i].prim.get_size());
+  }
+  b.scratch_offset = b.work_bytes;
+  b.work_bytes += round(std::max<size_t>(b.scratch, 1));
+  b.scratch_md = memory::desc({static_cast<memory::dim>(std::max<size_t>(b.scratch, 1))}, memory::data_type::u8, Tag::x);
+  return b;
+}
+
+int64_t ImagesPerBlock(ConvKind kind, const ConvShape& g) {
+  if (kind == ConvKind::kFilterGrad) return (g.n + kFilterGradGroups - 1) / kFilterGradGroups;
+  return std::min(kConvChunk, g.n);
+}
+
+}  // namespace
+
+const char* ConvPathName(ConvPath p) {
+  switch (p) {
+    case ConvPath::kIm2col: return "im2col+sgemm";
+    case ConvPath::kDnnlPlain: return "onednn-plain";
+    case ConvPath::kDnnlBlocked: return "onednn-blocked";
+  }
+  return "?";
+}
+
+ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g) {
+  (void)kind;
+  // bench/conv on resnet20's shapes (AVX2): oneDNN's direct kernels on blocked layouts (channels in
+  // blocks of 8), reorders included, beat im2col for the 3x3 convolutions with 16-64 channels; with
+  // one input channel (the stem) the blocks are mostly padding and im2col wins 4-6x; a 1x1 convolution
+  // is one sgemm per image already, and oneDNN's 1x1 kernels with the reorders were no faster. oneDNN
+  // on plain NCHW (its gemm convolution) was slower than im2col on most shapes.
+  if (g.n == 0 || g.k() == 0 || g.p() == 0) return ConvPath::kIm2col;
+  return g.kh * g.kw > 1 && g.c % 8 == 0 && g.o % 8 == 0 ? ConvPath::kDnnlBlocked : ConvPath::kIm2col;
+}
+
+ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g) {
+  static const bool onednn = [] {
+    const char* e = std::getenv("SHARDSTEP_CONV");
+    return e && std::string(e) == "onednn";
+  }();
+  return onednn ? PreferredConvPath(kind, g) : ConvPath::kIm2col;
+}
+
+std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g) {
+  using Key = std::array<int64_t, 14>;
+  static std::mutex mu;
+  static std::map<Key, std::shared_ptr<const ConvKernel>> cache;
+  const Key key{static_cast<int64_t>(kind), g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.oh, g.ow};
+  std::lock_guard<std::mutex> lock(mu);
+  auto& k = cache[key];
+  if (!k) {
+    const ConvPath path = ChooseConvPath(kind, g);
+    try {
+      k = std::make_shared<const ConvKernel>(kind, g, path);
+    } catch (const Error&) {  // a shape oneDNN does not take: the im2col path computes it
+      k = std::make_shared<const ConvKernel>(kind, g, ConvPath::kIm2col);
+    }
+  }
+  return k;
+}
+
+ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_(kind), g_(g), path_(path) {
+  if (path == ConvPath::kIm2col) return;
+  auto impl = std::make_shared<Impl>();
+  impl->per_block = ImagesPerBlock(kind, g);
+  const OneOmpThread one;
+  try {
+    impl->blocks.push_back(MakeBlock(kind, g, impl->per_block, path == ConvPath::kDnnlBlocked));
+    const int64_t rest = g.n % impl->per_block;
+    if (rest) impl->blocks.push_back(MakeBlock(kind, g, rest, path == ConvPath::kDnnlBlocked));
+  } catch (const dnnl::error& e) {
+    throw Error(Str("oneDNN has no convolution for input ", g.n, "x", g.c, "x", g.h, "x", g.w, ", filter ", g.o, "x", g.c,
+                    "x", g.kh, "x", g.kw, ": ", e.what()));
+  }
+  const_dnnl_primitive_desc_t pd = impl->blocks[0].conv.get_primitive_desc();
+  const char* name = nullptr;
+  dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name);
+  impl->describe = Str(ConvPathName(path), " ", name ? name : "?", impl->blocks[0].share_weights ? " (shared weights)" : "");
+  impl_ = std::move(impl);
+}
+
+ConvKernel::~ConvKernel() = default;
+
+std::string ConvKernel::Describe() const { return impl_ ? impl_->describe : ConvPathName(path_); }
+
+namespace {
+// Whether any of v[0, n) is an inf or a NaN (an integer OR over the exponents: vectorises).
+bool AnyNonFinite(const float* v, int64_t n) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(v);
+  uint32_t found = 0;
+  for (int64_t i = 0; i < n; ++i) found |= static_cast<uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u);
+  return found != 0;
+}
+}  // namespace
+
+void ConvKernel::Run(const float* a, const float* b, float* out) const {
+  // oneDNN skips the taps that fall on padding, where the interpreter multiplies a padded zero: an
+  // inf or NaN weight (forward) or output gradient (filter gradient) then gives NaN there. Such calls
+  // take the im2col path, which multiplies the zeros too. (The input gradient drops padded cells.)
+  const bool padded = g_.ph > 0 || g_.pw > 0;
+  const bool exact_nonfinite = padded && impl_ &&
+                               ((kind_ == ConvKind::kForward && AnyNonFinite(b, g_.o * g_.k())) ||
+                                (kind_ == ConvKind::kFilterGrad && AnyNonFinite(b, g_.n * g_.o * g_.p())));
+  if (!impl_ || exact_nonfinite) {
+    if (kind_ == ConvKind::kForward) Conv2dForward(g_, a, b, out);
+    else if (kind_ == ConvKind::kInputGrad) Conv2dInputGrad(g_, a, b, out);
+    else Conv2dFilterGrad(g_, a, b, out);
+    return;
+  }
+  const Impl& im = *impl_;
+  const ConvShape& g = g_;
+  const int64_t xs = g.c * g.h * g.w, ys = g.o * g.p(), ws = g.o * g.k();
+  // Per image: the a and b operands' and the output's elements (b and out: 0 when shared or summed).
+  const int64_t a_img = kind_ == ConvKind::kInputGrad ? ys : xs;
+  const int64_t b_img = kind_ == ConvKind::kFilterGrad ? ys : 0;
+  const int64_t out_img = kind_ == ConvKind::kForward ? ys : kind_ == ConvKind::kInputGrad ? xs : 0;
+  const int64_t per = im.per_block;
+  const int64_t nblocks = kind_ == ConvKind::kFilterGrad ? kFilterGradGroups : (g.n + per - 1) / per;
+
+  // The filter gradient's partial sums: per calling (replica) thread, grown once.
+  thread_local std::vector<float> parts_buf;
+  float* parts = nullptr;
+  if (kind_ == ConvKind::kFilterGrad) {
+    if (static_cast<int64_t>(parts_buf.size()) < kFilterGradGroups * ws) parts_buf.resize(kFilterGradGroups * ws);
+    parts = parts_buf.data();
+  }
+  // Weights reordered once by the calling thread, per block kind.
+  void* shared[2] = {nullptr, nullptr};
+  size_t weight_bytes = 0;
+  for (const Block& blk : im.blocks) weight_bytes += blk.share_weights ? (blk.args[1].prim.get_size() + 63) / 64 * 64 : 0;
+  size_t slice = 0;  // Work bytes per block
+  for (const Block& blk : im.blocks) slice = std::max(slice, blk.work_bytes);
+  char* const work_all = Work(slice * nblocks);
+  if (weight_bytes) {
+    char* w = Weights(weight_bytes);
+    const OneOmpThread one;  // the caller's own setting back afterwards
+    for (size_t k = 0; k < im.blocks.size(); ++k) {
+      const Block& blk = im.blocks[k];
+      if (!blk.share_weights) continue;
+      shared[k] = w;
+      w += (blk.args[1].prim.get_size() + 63) / 64 * 64;
+      const Mem from(blk.args[1].user, const_cast<float*>(b)), to(blk.args[1].prim, shared[k]);
+      const Mem scratch(blk.scratch_md, work_all + blk.scratch_offset);
+      Reorder(blk.args[1], from.m, to.m, scratch.m);
+    }
+  }
+
+  tbb::parallel_for(int64_t{0}, nblocks, [&](int64_t blk_index) {
+    thread_local const bool single = (SetOmpThreads(1), true);
+    (void)single;
+    const int64_t first = blk_index * per, images = std::min(g.n, first + per) - first;
+    if (images <= 0) {  // a filter-gradient group with no image: a zero part
+      std::fill_n(parts + blk_index * ws, ws, 0.0f);
+      return;
+    }
+    const size_t k = images == per ? 0 : 1;
+    const Block& blk = im.blocks[k];
+    char* work = work_all + blk_index * slice;
+    const Mem scratch(blk.scratch_md, work + blk.scratch_offset);
+    void* ptr[3] = {const_cast<float*>(a + first * a_img),
+                    b_img ? const_cast<float*>(b + first * b_img) : const_cast<float*>(b),
+                    parts ? parts + blk_index * ws : out + first * out_img};
+    Mem user[3], prim[3];
+    dnnl_memory_t bound[3];
+    for (int i = 0; i < 3; ++i) {
+      const Arg& arg = blk.args[i];
+      user[i] = Mem(arg.user, ptr[i]);
+      bound[i] = user[i].m;
+      if (!arg.reordered) continue;
+      const bool shared_weights = arg.shared && blk.share_weights;
+      prim[i] = Mem(arg.prim, shared_weights ? shared[k] : work + blk.prim_offset[i]);
+      if (!shared_weights && !arg.output) Reorder(arg, user[i].m, prim[i].m, scratch.m);
+      bound[i] = prim[i].m;
+    }
+    Execute(blk.conv, {{blk.args[0].id, bound[0]}, {blk.args[1].id, bound[1]}, {blk.args[2].id, bound[2]},
+                       {DNNL_ARG_SCRATCHPAD, scratch.m}});
+    if (blk.args[2].reordered) Reorder(blk.args[2], prim[2].m, user[2].m, scratch.m);
+  });
+  if (!parts) return;
+  std::fill(out, out + ws, 0.0f);
+  for (int64_t group = 0; group < kFilterGradGroups; ++group)
+    for (int64_t j = 0; j < ws; ++j) out[j] += parts[group * ws + j];
+}
+
+}  // namespace shardstep::jit

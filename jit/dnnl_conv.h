@@ -1,0 +1,58 @@
+// Convolution and its two gradients planned once per shape (at compile time): im2col + sgemm per image
+// (jit/cpu_kernels.h) or oneDNN's convolution primitives, built when the step is planned. The work is
+// split into blocks that depend only on the shapes (chunks of images for the forward pass and the
+// input gradient; the filter gradient's fixed groups of images, their partial sums added in order),
+// each block one oneDNN call on one OpenMP thread inside a TBB task (jit/dnnl_kernels.h): the results
+// do not depend on the number of threads or replicas.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "jit/cpu_kernels.h"
+
+namespace shardstep::jit {
+
+enum class ConvKind { kForward, kInputGrad, kFilterGrad };
+// kDnnlPlain: oneDNN on the IR's NCHW/OIHW memory. kDnnlBlocked: oneDNN's preferred (blocked) layouts
+// (format `any`), reordered from and to NCHW/OIHW around every block.
+enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked };
+const char* ConvPathName(ConvPath p);
+// The faster path for this convolution by bench/conv's measurements: a rule on the shape alone, so
+// the same module always computes the same bits.
+ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g);
+// The path a step takes: im2col, or PreferredConvPath when the environment variable
+// SHARDSTEP_CONV=onednn is set (read once per process). Not the default yet: with oneDNN,
+// parity_cnn_momentum(_sharded4) exceed their tolerance on conv2.b (2.8e-2 vs 2.77e-2; im2col: 5e-7).
+ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g);
+
+// Images per oneDNN call for the forward pass and the input gradient.
+constexpr int64_t kConvChunk = 8;
+
+// One convolution op of a step. Forward: Run(x, w, y); input gradient: Run(dy, w, dx); filter
+// gradient: Run(x, dy, dw). Thread-safe: replicas run it at once. After the calling thread's first
+// call, a call allocates nothing of its own; oneDNN v2 allocates small objects per block (its execute's
+// map of arguments, the memory objects), which its API gives no way to avoid.
+class ConvKernel {
+ public:
+  ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path);
+  ~ConvKernel();
+  void Run(const float* a, const float* b, float* out) const;
+  ConvPath path() const { return path_; }
+  // oneDNN's implementation names (e.g. "jit:avx2"), or "im2col+sgemm".
+  std::string Describe() const;
+
+  struct Impl;  // the primitives (dnnl_conv.cc)
+
+ private:
+  ConvKind kind_;
+  ConvShape g_;
+  ConvPath path_;
+  std::shared_ptr<const Impl> impl_;  // the primitives (null for kIm2col)
+};
+
+// The kernel for (kind, shape), built at the first request (when a step is planned) and cached for the
+// process; the path is ChooseConvPath's (im2col when oneDNN refuses the shape).
+std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g);
+
+}  // namespace shardstep::jit

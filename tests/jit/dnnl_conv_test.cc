@@ -1,0 +1,176 @@
+// Convolutions on oneDNN's primitives (jit/dnnl_conv.h): the shapes it is preferred for match the
+// interpreter within the conformance tolerance (a sum of K terms), including batches that leave a
+// smaller last block and filter-gradient groups with no image; they give the same bits twice and on
+// one TBB thread; the three paths agree; and inf/NaN meeting padding gives the interpreter's NaNs.
+#include <catch2/catch.hpp>
+#include <tbb/task_arena.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "ir/builder.h"
+#include "jit/compiled_step.h"
+#include "jit/dnnl_conv.h"
+#include "jit/dnnl_kernels.h"
+#include "runtime/interpreter.h"
+#include "tests/jit/conformance_compare.h"
+
+using namespace shardstep;
+using conformance::Compare;
+using conformance::Tolerance;
+using ir::DType;
+using ir::IntList;
+using ir::OpCode;
+using runtime::Tensor;
+using runtime::TensorMap;
+
+namespace {
+
+struct Geometry {
+  int64_t n, c, o, h, w, kh, kw, stride, pad;
+  int64_t oh() const { return (h + 2 * pad - kh) / stride + 1; }
+  int64_t ow() const { return (w + 2 * pad - kw) / stride + 1; }
+};
+
+Tensor RandomF32(ir::Shape s, uint32_t seed) {
+  Tensor t(ir::TensorType{DType::kF32, std::move(s)});
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (float& v : t.f32) v = u(rng);
+  return t;
+}
+
+// A one-op module: `op` on inputs a, b with g's stride and padding; the out's shape by inference.
+ir::Module OneOp(OpCode op, const Geometry& g) {
+  ir::Module m;
+  ir::Builder b(&m);
+  const ir::Shape x{g.n, g.c, g.h, g.w}, w{g.o, g.c, g.kh, g.kw}, y{g.n, g.o, g.oh(), g.ow()};
+  ir::Attrs attrs{{"stride", IntList{g.stride, g.stride}}, {"padding", IntList{g.pad, g.pad}}};
+  ir::ValueId a, c;
+  if (op == OpCode::kConv2d) {
+    a = b.Input("a", {DType::kF32, x});
+    c = b.Input("b", {DType::kF32, w});
+  } else if (op == OpCode::kConv2dInputGrad) {
+    a = b.Input("a", {DType::kF32, y});
+    c = b.Input("b", {DType::kF32, w});
+    attrs["input_shape"] = IntList(x.begin(), x.end());
+  } else {
+    a = b.Input("a", {DType::kF32, x});
+    c = b.Input("b", {DType::kF32, y});
+    attrs["filter_shape"] = IntList(w.begin(), w.end());
+  }
+  m.outputs.push_back({"out", b.Emit(op, {a, c}, attrs)});
+  return m;
+}
+
+Tensor Jit(const ir::Module& m, const TensorMap& in) {
+  TensorMap vars;
+  jit::Workspace ws;
+  return jit::CompiledStep::Compile(m)->Run(vars, in, 0, nullptr, &ws).at("out");
+}
+
+Tensor Interpret(const ir::Module& m, const TensorMap& in) {
+  TensorMap vars;
+  return runtime::RunStep(m, vars, in).at("out");
+}
+
+TensorMap Abs(TensorMap in) {
+  for (auto& [name, t] : in)
+    for (float& v : t.f32) v = std::abs(v);
+  return in;
+}
+
+int64_t Terms(OpCode op, const Geometry& g) {  // products summed into one result element (an upper bound)
+  if (op == OpCode::kConv2d) return g.c * g.kh * g.kw;
+  if (op == OpCode::kConv2dInputGrad) return g.o * g.kh * g.kw;
+  return g.n * g.oh() * g.ow();
+}
+
+jit::ConvKind KindOf(OpCode op) {
+  return op == OpCode::kConv2d ? jit::ConvKind::kForward
+                               : op == OpCode::kConv2dInputGrad ? jit::ConvKind::kInputGrad : jit::ConvKind::kFilterGrad;
+}
+
+jit::ConvShape ShapeOf(const Geometry& g) {
+  return {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.stride, g.stride, g.pad, g.pad, g.oh(), g.ow()};
+}
+
+bool SameBits(const Tensor& a, const Tensor& b) {
+  return a.type == b.type && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("oneDNN convolutions match the interpreter and give the same bits on any number of threads",
+          "[jit][conv]") {
+  jit::ConfigureThreadsForReplica(1);
+  const Geometry geometry[] = {
+      {19, 8, 16, 9, 9, 3, 3, 1, 1},  // blocks of 8, 8, 3 images; filter groups of 3 (the last of 1)
+      {5, 16, 8, 10, 7, 3, 3, 2, 1},  // one block of 5; filter groups of 1, three of them empty
+      {8, 8, 8, 11, 9, 3, 2, 2, 0},   // no padding, a 3x2 kernel
+  };
+  const OpCode ops[] = {OpCode::kConv2d, OpCode::kConv2dInputGrad, OpCode::kConv2dFilterGrad};
+  uint32_t seed = 1;
+  for (const Geometry& g : geometry)
+    for (OpCode op : ops) {
+      INFO(ir::OpName(op) << " n" << g.n << " c" << g.c << " o" << g.o << " " << g.h << "x" << g.w << " k" << g.kh << "x"
+                          << g.kw << " stride " << g.stride << " pad " << g.pad);
+      // The shape is one oneDNN is preferred for (else this test would not cover that path).
+      REQUIRE(jit::PreferredConvPath(KindOf(op), ShapeOf(g)) == jit::ConvPath::kDnnlBlocked);
+      const ir::Module m = OneOp(op, g);
+      const ir::Instr& in = m.at(m.outputs[0].second);
+      TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, seed++)},
+                       {"b", RandomF32(m.type(in.operands[1]).shape, seed++)}};
+      const Tensor want = Interpret(m, inputs), scale = Interpret(m, Abs(inputs));
+      const float* a = inputs["a"].f32.data();
+      const float* b = inputs["b"].f32.data();
+      auto run = [&](jit::ConvPath p) {
+        Tensor t(want.type);
+        jit::ConvKernel(KindOf(op), ShapeOf(g), p).Run(a, b, t.f32.data());
+        return t;
+      };
+      const Tensor got = run(jit::ConvPath::kDnnlBlocked);
+      const Tolerance tol = Tolerance::Sum(Terms(op, g));
+      const conformance::Verdict v = Compare(want, got, tol, &scale);
+      INFO(tol.ToString() << "\n" << v.message);
+      CHECK(v.ok);
+      CHECK(SameBits(run(jit::ConvPath::kDnnlBlocked), got));
+      Tensor one;
+      tbb::task_arena(1).execute([&] { one = run(jit::ConvPath::kDnnlBlocked); });
+      CHECK(SameBits(one, got));
+
+      // The other paths and the compiled step (its default path) within the same bound.
+      for (jit::ConvPath p : {jit::ConvPath::kIm2col, jit::ConvPath::kDnnlPlain}) {
+        INFO(jit::ConvPathName(p));
+        CHECK(Compare(want, run(p), tol, &scale).ok);
+      }
+      CHECK(Compare(want, Jit(m, inputs), tol, &scale).ok);
+    }
+}
+
+TEST_CASE("an inf weight or output gradient meeting padding gives the interpreter's NaNs on the oneDNN path",
+          "[jit][conv]") {
+  const float inf = std::numeric_limits<float>::infinity();
+  const Geometry g{3, 8, 8, 6, 6, 3, 3, 1, 1};
+  for (OpCode op : {OpCode::kConv2d, OpCode::kConv2dFilterGrad}) {
+    INFO(ir::OpName(op));
+    const ir::Module m = OneOp(op, g);
+    const ir::Instr& in = m.at(m.outputs[0].second);
+    TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, 3)},
+                     {"b", RandomF32(m.type(in.operands[1]).shape, 4)}};
+    inputs["b"].f32[5] = inf;  // a weight (forward) or an output gradient (filter gradient)
+    const Tensor want = Interpret(m, inputs);
+    Tensor got(want.type);
+    jit::ConvKernel(KindOf(op), ShapeOf(g), jit::ConvPath::kDnnlBlocked)
+        .Run(inputs["a"].f32.data(), inputs["b"].f32.data(), got.f32.data());
+    int64_t nans = 0;
+    for (float v : want.f32) nans += std::isnan(v);
+    CHECK(nans > 0);  // padded zeros times inf
+    const Tensor scale = Interpret(m, Abs(inputs));
+    const conformance::Verdict v = Compare(want, got, Tolerance::Sum(Terms(op, g)), &scale);
+    INFO(v.message);
+    CHECK(v.ok);
+  }
+}
