@@ -21,7 +21,7 @@
 
 #include "bench/update_module.h"
 #include "dsl/dsl.h"
-#include "jit/cpu_executor.h"
+#include "shardstep/shardstep.h"
 #include "models/models.h"
 #include "runtime/executor.h"
 #include "runtime/sharding.h"
@@ -73,9 +73,10 @@ runtime::Tensor Random(ir::Shape s, uint32_t seed) {
   return t;
 }
 
-std::unique_ptr<runtime::Executor> MakeExecutor(const std::string& backend, const ir::Module& m) {
-  if (backend == "cpu") return jit::MakeCpuExecutor(m, runtime::InitLogicalState(m));
-  return runtime::MakeInterpreterExecutor(m, runtime::InitLogicalState(m));
+// A Session on backend `backend` (the registry) for a lowered module. The timing drives its executor
+// directly: the update-phase module's inputs are per-replica gradients, not a global batch.
+std::unique_ptr<Session> MakeSession(const std::string& backend, const ir::Module& m) {
+  return std::make_unique<Session>(m, std::nullopt, backend);
 }
 
 }  // namespace
@@ -93,7 +94,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", batch, "global batch for the whole step");
   app.add_option("--replicas", ns, "replica counts")->delimiter(',');
   app.add_flag("--skip-step", skip_step, "only time the update phase");
-  app.add_option("--backend", backend, "interp|cpu")->check(CLI::IsMember({"interp", "cpu"}))->capture_default_str();
+  app.add_option("--backend", backend, "a registered backend")->check(CLI::IsMember(BackendNames()))->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   models::ModelOptions mo;
@@ -114,22 +115,22 @@ int main(int argc, char** argv) {
     {
       const runtime::TensorMap grads = bench::RandomGradients(weights, n);
       ir::Module repl = bench::UpdateModule(weights, n, false), shard = bench::UpdateModule(weights, n, true);
-      auto r = MakeExecutor(backend, repl), s = MakeExecutor(backend, shard);
-      std::tie(upd[0], upd[1]) = TimeAlternately(reps, *r, *s, grads);
+      auto r = MakeSession(backend, repl), s = MakeSession(backend, shard);
+      std::tie(upd[0], upd[1]) = TimeAlternately(reps, r->executor(), s->executor(), grads);
     }
     if (!skip_step) {
-      std::unique_ptr<runtime::Executor> execs[2];
+      std::unique_ptr<Session> sessions[2];
       for (int shard = 0; shard < 2; ++shard) {
         dsl::Model m("mlp");
         auto loss = models::DefineMlp(m, mo);
         dsl::Program p = m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(n).shard_weight_update(shard).build();
-        execs[shard] = MakeExecutor(backend, p.step);
+        sessions[shard] = MakeSession(backend, p.step);
       }
       runtime::TensorMap in{{"image", Random({batch, 784}, 7)}};
       runtime::Tensor labels(ir::TensorType{ir::DType::kS32, {batch}});
       for (int64_t i = 0; i < batch; ++i) labels.s32[i] = static_cast<int32_t>(i % 10);
       in["label"] = labels;
-      std::tie(step[0], step[1]) = TimeAlternately(reps, *execs[0], *execs[1], in);
+      std::tie(step[0], step[1]) = TimeAlternately(reps, sessions[0]->executor(), sessions[1]->executor(), in);
     }
     auto ratio = [](double a, double b) { return a > 0 ? b / a : 0.0; };
     std::printf("%3d | %10.1f %10.1f %10.3f | %10.1f %10.1f %10.3f | %8.1f %8.1f %8.3f | %8.1f %8.1f %8.3f\n", n,
