@@ -19,7 +19,7 @@ batch-norm running statistics, replicated or sharded (--replicas N --shard-weigh
 # (g + wd w), w -= v, except that biases, gamma and beta have wd 0 and local_lr 1 (layer_adaptation=0).
 # Gradients are clipped to the global norm first (clip_grad_norm_ semantics), lr follows the linear warm-up.
 # Batches: the global inputs of every step read back from shardstep's --save-batches file.
-import argparse, os, sys, tempfile, time
+import argparse, os, re, sys, tempfile, time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parity_common as pc
 import numpy as np
@@ -167,8 +167,10 @@ def main():
     ap.add_argument("--nesterov", action="store_true")
     ap.add_argument("--trust-coefficient", type=float, default=0.001, help="LARS eta")
     ap.add_argument("--classes", type=int, default=10)
-    ap.add_argument("--dataset", default="synthetic", choices=["synthetic", "fashion-mnist"],
-                    help="shardstep's --dataset (synthetic: no uniform background, see tests/CMakeLists.txt)")
+    ap.add_argument("--dataset", default="synthetic", choices=["synthetic", "fashion-mnist", "synthetic-imagenet"],
+                    help="shardstep's --dataset (synthetic: 28x28, no uniform background; synthetic-imagenet: uniform "
+                         "random pixels and labels at any --image-size; see tests/CMakeLists.txt)")
+    ap.add_argument("--image-size", type=int, help="shardstep's --image-size (synthetic-imagenet only)")
     ap.add_argument("--cross-replica-bn", action="store_true",
                     help="shardstep --cross-replica-bn: statistics over the whole global batch")
     ap.add_argument("--float32-noise", action="store_true",
@@ -176,10 +178,17 @@ def main():
                          "float32's own relative L2 distance from float64 on it, and a step's loss tolerance at least "
                          "its largest loss distance so far, times --noise-factor")
     ap.add_argument("--noise-factor", type=float, default=3.0)
+    ap.add_argument("--noise-tensors", default="",
+                    help="with --float32-noise: a regular expression; only the checkpoint tensors whose names it "
+                         "matches (re.search) get the raised tolerance, every other tensor keeps --rtol / --state-rtol "
+                         "(default: all tensors)")
+    ap.add_argument("--strict-losses", action="store_true",
+                    help="with --float32-noise: the losses keep --tol at every step (no raised loss tolerance)")
     ap.add_argument("--mutate", choices=["lr", "lr1pc", "weight", "init", "bnstats", "runvar"],
                     help="test of the test, must make it FAIL: lr / lr1pc = reference lr x 1.001 / x 1.01; weight = "
                          "shardstep's final s3b2.conv2.w (the last weight) scaled by 1 + 2 x its tolerance; init = "
-                         "the reference's initial fc.w scaled by 1 + 10 rtol; bnstats = statistics over the global batch (fails with --replicas > 1); "
+                         "the reference's initial fc.w scaled by 1 + 10 rtol; bnstats = the other statistics groups: the whole "
+                         "global batch, or with --cross-replica-bn each replica's part (fails with --replicas > 1); "
                          "runvar = biased variance in the running statistics")
     a = ap.parse_args()
     a.lr = a.lr if a.lr is not None else {"momentum": 0.02, "lars": 0.1}[a.optimizer]
@@ -192,6 +201,8 @@ def main():
     if a.nesterov: extra += ["--nesterov"]
     if a.optimizer == "lars": extra += ["--trust-coefficient", repr(a.trust_coefficient)]
     if a.cross_replica_bn: extra += ["--cross-replica-bn"]
+    if a.image_size: extra += ["--image-size", str(a.image_size)]
+    if a.dataset == "synthetic-imagenet": extra += ["--classes", str(a.classes), "--eval-batches", "1"]
     with tempfile.TemporaryDirectory(prefix="parity_resnet20_") as tmp:
         init, ours, final, batches, secs = pc.run_shardstep_model(a, extra, tmp, ["image", "label"])
     image = batches[0]["image"]
@@ -211,15 +222,19 @@ def main():
         start["fc.w"] = start["fc.w"] * np.float32(1 + 10 * a.rtol)
         print("--mutate init: scaled the reference's initial fc.w by 1 + 10 rtol")
     a.lr = pc.reference_lr(a)
-    bn_groups = 1 if a.cross_replica_bn or a.mutate == "bnstats" else a.replicas
+    bn_groups = 1 if a.cross_replica_bn != (a.mutate == "bnstats") else a.replicas
     dt = getattr(torch, a.dtype)
     theirs, ref = train(a, dt, start, running, batches, bn_groups)
     rtols, loss_tols = None, [a.tol] * a.steps
     if a.float32_noise:
         if a.dtype != "float64": sys.exit("--float32-noise needs --dtype float64")
-        theirs32, ref32 = train(a, torch.float32, start, running, batches, bn_groups)
-        loss_tols = pc.noise_loss_tols(a.tol, theirs, theirs32, a.noise_factor)
-        rtols = {k: a.noise_factor * pc.rel_l2(ref32[k], ref[k]) for k in ref}
+        # Without oneDNN (mkldnn): its float32 convolutions gave resnet20 gradients 1e-2 off float64 (relative L2 per
+        # tensor) on some batches at identical weights, where torch's own float32 kernels are within 3e-6; that is
+        # a kernel's error, not float32's conditioning, which is what this run measures.
+        with torch.backends.mkldnn.flags(enabled=False):
+            theirs32, ref32 = train(a, torch.float32, start, running, batches, bn_groups)
+        if not a.strict_losses: loss_tols = pc.noise_loss_tols(a.tol, theirs, theirs32, a.noise_factor)
+        rtols = {k: a.noise_factor * pc.rel_l2(ref32[k], ref[k]) for k in ref if re.search(a.noise_tensors, k)}
         print(f"torch float32's own relative L2 distance from float64 x {a.noise_factor:g}: max " +
               ", ".join(f"{k} {v:.2e}" for k, v in sorted(rtols.items(), key=lambda kv: -kv[1])[:4]))
     label = (f"resnet20 {a.optimizer} lr={a.lr} wd={a.weight_decay} ls={a.label_smoothing} clip={a.clip_norm} "
