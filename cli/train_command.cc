@@ -20,6 +20,7 @@
 #include "ir/error.h"
 #include "ir/memory_plan.h"
 #include "jit/cpu_executor.h"
+#include "jit/dnnl_kernels.h"
 #include "models/models.h"
 #include "runtime/checkpoint.h"
 #include "runtime/checkpoint_dir.h"
@@ -27,6 +28,7 @@
 #include "runtime/executor.h"
 #include "runtime/sharding.h"
 #include "runtime/image_data.h"
+#include "runtime/mllog.h"
 #include "runtime/text_data.h"
 #include "runtime/trainer.h"
 
@@ -40,7 +42,7 @@ struct TrainFlags {
   std::string data_file;  // text corpus ("" = the King James Bible)
   int64_t steps = 2000;
   bool no_shuffle = false;
-  std::string save, load, save_init, metrics_out, plot_out, save_batches;
+  std::string save, load, save_init, metrics_out, plot_out, save_batches, mllog;
   int64_t log_every = 100, eval_every = 0, eval_batch = 1000, eval_batches = 0;
   const CLI::Option* eval_batch_option = nullptr;  // given (on the command line or in --config)?
   std::string backend = "cpu";
@@ -178,7 +180,39 @@ void CheckContext(const runtime::TensorMap& loaded, const std::map<std::string, 
                   ", ", have, " positions): use --context ", have, " with this checkpoint"));
 }
 
-int RunTrain(const TrainFlags& t_in) {
+// The MLPerf log of a `train` run (--mllog): what has been logged so far, so that a failure anywhere
+// still ends the log with run_stop "aborted" and the reason.
+struct MlRun {
+  runtime::MlLog* log = nullptr;
+  bool header = false, init_open = false, run_started = false;
+};
+
+// The MLPerf benchmark a model stands in for (open division: not MLPerf's data) and the header keys.
+void LogMlHeader(const TrainFlags& t, const models::ModelSpec& spec, MlRun* ml) {
+  namespace k = runtime::mllog;
+  runtime::MlLog& log = *ml->log;
+  const std::string benchmark = spec.name == "bert" ? "bert" : spec.name == "transformer_lm" ? "gpt3" : "resnet";
+  log.Event(k::kSubmissionBenchmark, benchmark);
+  log.Event(k::kSubmissionOrg, "shardstep");
+  log.Event(k::kSubmissionDivision, "open");
+  log.Event(k::kSubmissionStatus, "research");
+  log.Event(k::kSubmissionPlatform, Str(jit::NumCores(), "-core CPU, backend ", t.backend, ", ", t.program.replicas,
+                                        " replica(s)"));
+  log.Event(k::kCacheClear, true);
+  ml->header = true;
+  log.Start(k::kInitStart);
+  ml->init_open = true;
+  log.Event(k::kSeed, t.program.seed);
+  log.Event(k::kGlobalBatchSize, t.program.batch);
+  log.Event(k::kGradientAccumulationSteps, 1);
+  log.Event(k::kTrainSamples, t.steps * t.program.batch);
+  log.Event(k::kOptName, t.program.optimizer);
+  log.Event(k::kOptBaseLearningRate, t.program.lr);
+  log.Event(k::kOptLearningRateWarmupSteps, t.program.warmup_steps);
+  log.Event(k::kOptWeightDecay, t.program.weight_decay);
+}
+
+int RunTrain(const TrainFlags& t_in, MlRun* ml) {
   TrainFlags t = t_in;
   const models::ModelSpec& spec = models::FindModel(t.program.model);
   const models::Task task = spec.task;
@@ -196,7 +230,7 @@ int RunTrain(const TrainFlags& t_in) {
     t.eval_batch = text ? 64 : dataset == "synthetic-imagenet" ? std::min<int64_t>(t.program.batch, 1000) : t.eval_batch;
   // 1. Outputs and inputs that can be checked without building anything.
   CheckOutputPaths({{"--save", t.save}, {"--save-init", t.save_init}, {"--metrics-out", t.metrics_out},
-                    {"--plot-out", t.plot_out}, {"--save-batches", t.save_batches}});
+                    {"--plot-out", t.plot_out}, {"--save-batches", t.save_batches}, {"--mllog", t.mllog}});
   if (!t.load.empty() && ::access(t.load.c_str(), R_OK) != 0)
     throw Error(Str("cannot read --load ", t.load, ": ", std::strerror(errno)));
   if (!t.data_file.empty() && ::access(t.data_file.c_str(), R_OK) != 0)
@@ -299,7 +333,8 @@ int RunTrain(const TrainFlags& t_in) {
   }
 
   // 4. State, data, backend, training. A checkpoint is checked here (its path in the errors) and loaded
-  // into the Session once it exists.
+  // into the Session once it exists. For the MLPerf log this is the init interval (compilation included).
+  if (ml->log) LogMlHeader(t, spec, ml);
   std::optional<runtime::TensorMap> start_state;
   const std::map<std::string, ir::TensorType> logical_types = runtime::LogicalTypes(program.step);
   if (resume) {
@@ -406,12 +441,43 @@ int RunTrain(const TrainFlags& t_in) {
               {"optimizer_state_bytes", mem.optimizer_state_bytes},
               {"gradients_bytes", mem.gradient_bytes},
               {"peak_temporaries_bytes", mem.peak_temp_bytes}};
+  if (ml->log) {
+    ml->log->Event(runtime::mllog::kEvalSamples, eval_set ? eval_set->num_batches() * t.eval_batch : 0);
+    ml->log->End(runtime::mllog::kInitStop);
+    ml->init_open = false;
+    ml->run_started = true;  // runtime::Train logs the run, and its run_stop also when it throws
+    o.mllog = ml->log;
+  }
   runtime::TrainResult r = runtime::Train(session, *train_source, eval_set.get(), task, o, std::cout);
   if (r.skipped_steps) std::cout << "skipped " << r.skipped_steps << " step(s) with non-finite values\n";
   std::cout << "final: loss " << (r.losses.empty() ? std::string("(no step run)") : Str(r.losses.back())) << ", test "
             << (task == models::Task::kClassification ? "accuracy" : runtime::MetricKey(task)) << " " << r.test_metric
             << ", " << static_cast<int64_t>(r.examples_per_second) << " examples/s\n";
   return 0;
+}
+
+// RunTrain with the MLPerf log open (when --mllog is given): a failure before the run started still
+// ends the log, with init_stop, run_start and run_stop "aborted" and the reason.
+int RunTrainLogged(const TrainFlags& t) {
+  if (t.mllog.empty() || t.dry_run) {
+    MlRun none;
+    return RunTrain(t, &none);
+  }
+  CheckOutputPaths({{"--mllog", t.mllog}});
+  std::unique_ptr<runtime::MlLog> log = runtime::MlLog::OpenFile(t.mllog);
+  MlRun ml{log.get()};
+  try {
+    return RunTrain(t, &ml);
+  } catch (const std::exception& e) {
+    namespace k = runtime::mllog;
+    if (!ml.run_started) {
+      if (!ml.header) LogMlHeader(t, models::FindModel(t.program.model), &ml);
+      if (ml.init_open) log->End(k::kInitStop, nullptr, {{"status", "aborted"}});
+      log->Start(k::kRunStart);
+      log->End(k::kRunStop, nullptr, {{"status", "aborted"}, {"error", e.what()}});
+    }
+    throw;
+  }
 }
 
 }  // namespace
@@ -463,7 +529,9 @@ Command AddTrainCommand(CLI::App& app) {
           ->check(kPositiveInt)->capture_default_str();
   cmd->add_flag("--no-memory-check", t->no_memory_check,
                 "start even when the memory plan exceeds the machine's available memory");
-  return {cmd, [t] { return RunTrain(*t); }};
+  cmd->add_option("--mllog", t->mllog,
+                  "write the MLPerf training log (:::MLLOG lines, MLCommons training rules, open division) to FILE");
+  return {cmd, [t] { return RunTrainLogged(*t); }};
 }
 
 }  // namespace shardstep::cli

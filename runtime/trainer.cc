@@ -261,10 +261,30 @@ TrainResult Train(Trainable& model, BatchSource& train_source, const EvalSet* te
   BatchSource& it = o.prefetch ? static_cast<BatchSource&>(*prefetching) : train_source;
   TensorMap saved_batches;
   result.skipped_steps = o.start_skipped_steps;
+  // MLPerf log: blocks of steps between evaluations, each evaluation inside the run.
+  namespace ml = mllog;
+  bool block_open = false, eval_open = false;
+  auto block_start = [&](int64_t steps_done) {
+    if (!o.mllog) return;
+    o.mllog->Start(ml::kBlockStart, nullptr, {{"step_num", steps_done}, {"samples_count", steps_done * o.batch}});
+    block_open = true;
+  };
+  auto block_stop = [&](int64_t steps_done) {
+    if (!o.mllog || !block_open) return;
+    o.mllog->End(ml::kBlockStop, nullptr, {{"step_num", steps_done}, {"samples_count", steps_done * o.batch}});
+    block_open = false;
+  };
   auto eval = [&](int64_t step) {
     if (!test) return;
     auto t0 = Clock::now();
+    block_stop(step);
+    if (o.mllog) o.mllog->Start(ml::kEvalStart, nullptr, {{"step_num", step}}), eval_open = true;
     const EvalResult r = EvaluateSet(model, *test, task);
+    if (o.mllog) {
+      o.mllog->Event(ml::kEvalAccuracy, r.metric, {{"step_num", step}, {"samples_count", step * o.batch}, {"metric", metric_key}});
+      o.mllog->End(ml::kEvalStop, nullptr, {{"step_num", step}});
+      eval_open = false;
+    }
     result.test_metric = r.metric;
     result.test_loss = r.loss;
     if (task == kClassificationTask) result.test_accuracy = r.metric;
@@ -286,6 +306,9 @@ TrainResult Train(Trainable& model, BatchSource& train_source, const EvalSet* te
   auto window_start = start;
   int64_t window_steps = 0;
   TensorMap in;  // reused: the prefetcher swaps its buffers with these
+  if (o.mllog) o.mllog->Start(ml::kRunStart);
+  try {
+  block_start(o.start_step);
   for (int64_t step = o.start_step + 1; step <= o.steps; ++step) {
     const auto d0 = Clock::now();
     it.Next(&in);  // with prefetching: waits only for what the previous step did not hide
@@ -331,7 +354,10 @@ TrainResult Train(Trainable& model, BatchSource& train_source, const EvalSet* te
       window_start = now;
       window_steps = 0;
     }
-    if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps) eval(step);
+    if (o.eval_every > 0 && step % o.eval_every == 0 && step != o.steps) {
+      eval(step);
+      block_start(step);
+    }
     if (o.save_every > 0 && step % o.save_every == 0) {
       if (metrics) metrics.flush();  // a resume from this checkpoint keeps the metrics up to here
       std::map<std::string, std::string> meta = o.checkpoint_metadata;
@@ -350,6 +376,17 @@ TrainResult Train(Trainable& model, BatchSource& train_source, const EvalSet* te
   result.data_epoch = it.epoch();
   result.data_position = it.position();
   eval(o.steps);
+  block_stop(o.steps);
+  } catch (const std::exception& e) {
+    if (o.mllog) {
+      const int64_t done = static_cast<int64_t>(result.losses.size()) + o.start_step;
+      if (eval_open) o.mllog->End(ml::kEvalStop, nullptr, {{"step_num", done}});
+      if (block_open) o.mllog->End(ml::kBlockStop, nullptr, {{"step_num", done}});
+      o.mllog->End(ml::kRunStop, nullptr, {{"status", "aborted"}, {"error", e.what()}});
+    }
+    throw;
+  }
+  if (o.mllog) o.mllog->End(ml::kRunStop, nullptr, {{"status", "success"}});
   if (!o.plot_out.empty()) {
     WriteTrainingPlot(o.plot_out, result.curves, o.plot_title);
     log << "wrote plot " << o.plot_out << "\n";

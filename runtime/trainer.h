@@ -13,6 +13,7 @@
 #include "runtime/batch_source.h"
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
+#include "runtime/mllog.h"
 #include "runtime/plot.h"
 
 // models::Task (models/models.h), declared here: the runtime neither includes nor links the DSL. Its
@@ -66,6 +67,11 @@ struct TrainOptions {
   // the guard in the step module, every mode behaves as kIgnore.
   enum class OnNonfinite { kStop, kSkip, kIgnore };
   OnNonfinite on_nonfinite = OnNonfinite::kStop;
+  // The MLPerf log (not owned; null = none). The loop logs run_start, a block (step_num metadata) per
+  // evaluation interval, eval_start / eval_accuracy (the task's metric) / eval_stop, and run_stop with
+  // status success, or aborted with the error when the run throws (then the error is rethrown). The
+  // caller logs the submission keys and the init interval before.
+  MlLog* mllog = nullptr;
 };
 
 struct TrainResult {
