@@ -9,6 +9,7 @@
 #include "jit/cpu_executor.h"
 #include "runtime/checkpoint.h"
 #include "runtime/sharding.h"
+#include "tpu_backend/mesh_backend.h"
 
 namespace shardstep {
 
@@ -31,6 +32,8 @@ Registry& Backends() {
     reg->factories["interp"] = [](const ir::Module& step, const TensorMap& state) {
       return runtime::MakeInterpreterExecutor(step, state);
     };
+    // The emulated TPU mesh on its default mesh for the replica count (the CLI's --mesh re-registers it).
+    reg->factories["tpu-mesh"] = tpu::MeshBackendFactory();
     return reg;
   }();
   return *r;
@@ -187,7 +190,7 @@ void Session::CheckInputs(const ir::Module& m, int64_t batch_scale, const Tensor
     if (t.type != want)
       throw Error(Str(what, ": input \"", in.name, "\" is ", t.type.ToString(), ", expected ", want.ToString(),
                       batch_scale > 1 ? Str(" (the global batch, for ", batch_scale, " replicas)") : std::string()));
-    const size_t held = t.dtype() == ir::DType::kF32 ? t.f32.size() : t.s32.size();
+    const size_t held = t.held();
     if (static_cast<int64_t>(held) != t.elements())
       throw Error(Str(what, ": input \"", in.name, "\" holds ", held, " values for ", t.type.ToString()));
   }

@@ -36,7 +36,8 @@ namespace shardstep {
 using runtime::Tensor;
 using runtime::TensorMap;
 
-// Backends by name: "cpu" (the LLVM JIT, jit/) and "interp" (the reference interpreter, runtime/).
+// Backends by name: "cpu" (the LLVM JIT, jit/), "interp" (the reference interpreter, runtime/) and "tpu-mesh"
+// (the emulated TPU 2D torus, tpu_backend/mesh_backend.h).
 using BackendFactory =
     std::function<std::unique_ptr<runtime::Executor>(const ir::Module& step, const TensorMap& logical_state)>;
 // Adds (or replaces) a backend.

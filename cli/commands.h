@@ -17,5 +17,7 @@ struct Command {
 Command AddTrainCommand(CLI::App& app);    // train a built-in model (cli/train_command.cc)
 Command AddCompileCommand(CLI::App& app);  // build or read a step module, run passes, print (cli/compile_command.cc)
 Command AddRunCommand(CLI::App& app);      // run an IR module on safetensors inputs (cli/run_command.cc)
+// TPU pod step-time simulator (issue 10, part 6)
+Command AddSimulateCommand(CLI::App& app);  // simulate a step on a TPU mesh (cli/simulate_command.cc)
 
 }  // namespace shardstep::cli

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "ir/error.h"
+#include "ir/passes/mixed_precision.h"
 #include "models/models.h"
 #include "runtime/text_data.h"
 
@@ -128,6 +129,11 @@ void AddPipelineFlags(CLI::App* app, ProgramFlags* f) {
                   "tensor; the state stays that of the step before), skip (leave weights and optimizer state "
                   "unchanged, count it, go on) or ignore (no check in the step)")
       ->check(CLI::IsMember({"stop", "skip", "ignore"}))->capture_default_str();
+  // Mixed precision (issue 10): matmul and convolution operands rounded to bf16, f32 accumulation.
+  app->add_option("--precision", f->precision,
+                  "bf16: round the inputs of matmuls and convolutions to bf16 (f32 accumulation; weights, "
+                  "optimizer state and collectives stay f32), or f32")
+      ->check(CLI::IsMember({"f32", "bf16"}))->capture_default_str();
 }
 
 namespace {
@@ -217,6 +223,7 @@ ir::PipelineOptions PipelineFromFlags(const ProgramFlags& f, int64_t steps, int 
   o.combine_bytes = f.combine_bytes;
   o.combine_count = f.combine_count;
   o.nonfinite_guard = f.on_nonfinite != "ignore";
+  o.bf16_contractions = ir::ParsePrecision(f.precision);
   return o;
 }
 

@@ -50,6 +50,7 @@ struct ProgramFlags {
   std::string gather_weights = "end";
   int64_t combine_bytes = 4 << 20, combine_count = 64;
   std::string on_nonfinite = "stop";   // stop|skip|ignore (stop and skip add the nonfinite-guard pass)
+  std::string precision = "f32";       // f32|bf16 (bf16 adds the mixed-precision pass: issue 10)
   // Model options (models::ModelOptions; 0 / "" = the model's default).
   int64_t context = 0, layers = 0, width = 0, heads = 0, mlp_width = 0, image_size = 0;
   int64_t classes = 0;  // 0: 1000 for models whose default data is synthetic-imagenet, else 10

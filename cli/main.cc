@@ -47,7 +47,8 @@ int Main(int argc, char** argv) {
   app.require_subcommand(1);
   std::map<CLI::App*, cli::Command> commands;
   std::map<CLI::App*, std::string> config_paths;
-  for (auto add : {cli::AddTrainCommand, cli::AddCompileCommand, cli::AddRunCommand}) {
+  for (auto add : {cli::AddTrainCommand, cli::AddCompileCommand, cli::AddRunCommand,
+                   cli::AddSimulateCommand /* TPU pod step-time simulator */}) {
     cli::Command command = add(app);
     // Scripted runs: `shardstep train --config run.toml` reads the file's [train] table; flags given
     // on the command line win over the file.

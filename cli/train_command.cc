@@ -16,6 +16,7 @@
 #include "cli/backend_flag.h"
 #include "cli/commands.h"
 #include "cli/flags.h"
+#include "cli/mpi_launch.h"
 #include "cli/preflight.h"
 #include "ir/error.h"
 #include "ir/memory_plan.h"
@@ -31,6 +32,7 @@
 #include "runtime/mllog.h"
 #include "runtime/text_data.h"
 #include "runtime/trainer.h"
+#include "tpu_backend/mesh_backend.h"
 
 namespace shardstep::cli {
 namespace {
@@ -46,10 +48,15 @@ struct TrainFlags {
   int64_t log_every = 100, eval_every = 0, eval_batch = 1000, eval_batches = 0;
   const CLI::Option* eval_batch_option = nullptr;  // given (on the command line or in --config)?
   std::string backend = "cpu";
+  std::string mesh;  // --mesh XxY (tpu-mesh): 2·X·Y replicas
+  const CLI::Option* replicas_option = nullptr;  // --replicas given (a conflict with --mesh is an error)?
   bool no_memory_check = false, no_prefetch = false, dry_run = false;
   // Periodic checkpoints and resuming (runtime/checkpoint_dir.h).
   int64_t save_every = 0, keep = 3;
   std::string checkpoint_dir, resume;
+  // Under mpirun (cli/mpi_launch.h): replica threads per rank, and how long a collective may take.
+  int replicas_per_process = 0;
+  double collective_timeout = 0;
 };
 
 // runtime/trainer.h declares models::Task opaquely with these values.
@@ -212,6 +219,21 @@ void LogMlHeader(const TrainFlags& t, const models::ModelSpec& spec, MlRun* ml) 
   log.Event(k::kOptWeightDecay, t.program.weight_decay);
 }
 
+// --mesh XxY: the tpu-mesh backend on X×Y chips, one replica per core (2·X·Y replicas), registered for this
+// run; --replicas may only repeat that count.
+void ApplyMeshFlag(TrainFlags& t) {
+  if (t.mesh.empty()) return;
+  if (t.backend != "tpu-mesh")
+    throw Error(Str("--mesh ", t.mesh, " is for --backend tpu-mesh; --backend is ", t.backend));
+  const tpu::MeshTopology mesh = tpu::MeshTopology::Parse(t.mesh);
+  if (t.replicas_option && t.replicas_option->count() > 0 && t.program.replicas != mesh.replicas())
+    throw Error(Str("--mesh ", t.mesh, " means ", mesh.replicas(), " replicas (", mesh.cores_per_chip(),
+                    " cores per chip, one replica each) but --replicas is ", t.program.replicas,
+                    "; drop --replicas or make it ", mesh.replicas()));
+  t.program.replicas = mesh.replicas();
+  RegisterBackend("tpu-mesh", tpu::MeshBackendFactory(mesh));
+}
+
 int RunTrain(const TrainFlags& t_in, MlRun* ml) {
   TrainFlags t = t_in;
   const models::ModelSpec& spec = models::FindModel(t.program.model);
@@ -228,6 +250,7 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
   if (!t.data_file.empty() && !text) throw Error(Str("--data-file is for text models; --dataset ", dataset, " holds images"));
   if (t.eval_batch_option == nullptr || t.eval_batch_option->count() == 0)  // the task's default
     t.eval_batch = text ? 64 : dataset == "synthetic-imagenet" ? std::min<int64_t>(t.program.batch, 1000) : t.eval_batch;
+  ApplyMeshFlag(t);
   // 1. Outputs and inputs that can be checked without building anything.
   CheckOutputPaths({{"--save", t.save}, {"--save-init", t.save_init}, {"--metrics-out", t.metrics_out},
                     {"--plot-out", t.plot_out}, {"--save-batches", t.save_batches}, {"--mllog", t.mllog}});
@@ -480,6 +503,22 @@ int RunTrainLogged(const TrainFlags& t) {
   }
 }
 
+// Under mpirun: this rank's part of the run (cli/mpi_launch.h). Every rank trains with the same flags; the
+// replica count is ranks x --replicas-per-process; ranks other than 0 write their outputs (which rank 0
+// writes for the run) into a private directory that goes away.
+int RunTrainUnderMpi(const TrainFlags& flags) {
+  return RunUnderMpi(flags.replicas_per_process, flags.collective_timeout, [&](const MpiRank& rank) {
+    TrainFlags t = flags;
+    t.program.replicas = MpiReplicaCount(rank, t.program.batch, t.program.replicas, t.program.replica_groups);
+    if (rank.rank != 0) {
+      for (std::string* path : {&t.save, &t.save_init, &t.metrics_out, &t.plot_out, &t.save_batches, &t.mllog})
+        if (!path->empty()) *path = rank.private_dir + "/" + std::filesystem::path(*path).filename().string();
+      if (t.save_every > 0) t.checkpoint_dir = rank.private_dir + "/checkpoints";
+    }
+    return RunTrainLogged(t);
+  });
+}
+
 }  // namespace
 
 Command AddTrainCommand(CLI::App& app) {
@@ -520,8 +559,11 @@ Command AddTrainCommand(CLI::App& app) {
   cmd->add_option("--plot-out", t->plot_out, "write an SVG of the loss curve and the step-time breakdown");
   cmd->add_option("--log-every", t->log_every, "progress line every N steps")->check(kPositiveInt);
   cmd->add_option("--eval-every", t->eval_every, "evaluate every N steps (0: at the end)")->check(kNonNegativeInt);
-  cmd->add_option("--backend", t->backend, "interp (reference interpreter) | cpu (LLVM JIT)")
+  cmd->add_option("--backend", t->backend,
+                  "interp (reference interpreter) | cpu (LLVM JIT) | tpu-mesh (emulated TPU torus, see --mesh)")
       ->check(BackendNameValidator())->capture_default_str();
+  cmd->add_option("--mesh", t->mesh, "tpu-mesh: XxY chips on a 2D torus, 2 cores each; sets --replicas to 2*X*Y");
+  t->replicas_option = cmd->get_option("--replicas");
   t->eval_batch_option =
       cmd->add_option("--eval-batch", t->eval_batch,
                       "evaluation batch; must divide the test split (10000, synthetic 2000); default 1000 for images, "
@@ -531,7 +573,20 @@ Command AddTrainCommand(CLI::App& app) {
                 "start even when the memory plan exceeds the machine's available memory");
   cmd->add_option("--mllog", t->mllog,
                   "write the MLPerf training log (:::MLLOG lines, MLCommons training rules, open division) to FILE");
-  return {cmd, [t] { return RunTrainLogged(*t); }};
+  // mpirun (cli/mpi_launch.h)
+  cmd->add_option("--replicas-per-process", t->replicas_per_process,
+                  "under mpirun: replica threads per rank (replicas = ranks x this)")->check(kPositiveInt);
+  cmd->add_option("--collective-timeout", t->collective_timeout,
+                  "under mpirun: end the job when a collective has not completed after SECONDS (0: wait forever)")
+      ->check(kNonNegativeFloat);
+  return {cmd, [t] {
+            if (UnderMpirun()) return RunTrainUnderMpi(*t);
+            if (t->replicas_per_process > 0 || t->collective_timeout > 0)
+              throw Error(Str(t->replicas_per_process > 0 ? "--replicas-per-process" : "--collective-timeout",
+                              " is for runs under mpirun (mpirun -np K shardstep train ...); in one process use "
+                              "--replicas"));
+            return RunTrainLogged(*t);
+          }};
 }
 
 }  // namespace shardstep::cli

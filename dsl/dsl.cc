@@ -7,6 +7,7 @@
 
 #include "ir/error.h"
 #include "ir/passes/data_parallel_lowering.h"
+#include "ir/passes/mixed_precision.h"
 #include "ir/passes/pipeline.h"
 
 namespace shardstep::dsl {
@@ -281,6 +282,7 @@ ir::Module Model::lower(int replicas, Mode mode, int group_size) const {
 
 Program TrainBuilder::build(Loc loc) {
   Program p;
+  if (!precision_.empty()) o_.bf16_contractions = ir::ParsePrecision(precision_, ".precision()");
   p.options = o_;
   p.forward = m_->lower(o_.replicas, Mode::kEval, o_.group_size);
   p.step = m_->lower(o_.replicas, Mode::kTrain, o_.group_size);

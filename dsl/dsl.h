@@ -222,6 +222,9 @@ class TrainBuilder {
   // A step with a NaN/inf loss or gradient changes no state and outputs "step_finite" = 0 (ir/passes/nonfinite_guard.h).
   TrainBuilder& nonfinite_guard(bool on) { o_.nonfinite_guard = on; return *this; }
   TrainBuilder& combine_thresholds(int64_t bytes, int64_t count) { o_.combine_bytes = bytes; o_.combine_count = count; return *this; }
+  // "bf16": matmul and convolution operands rounded to bf16, f32 accumulation (ir/passes/mixed_precision.h);
+  // "f32" (default): none. Any other value is an error at build().
+  TrainBuilder& precision(const std::string& p) { precision_ = p; return *this; }
   // All pipeline options at once (the CLI uses this).
   TrainBuilder& options(const ir::PipelineOptions& o) { o_ = o; return *this; }
   Program build(Loc loc = Loc::current());
@@ -231,6 +234,7 @@ class TrainBuilder {
   explicit TrainBuilder(Model* m) : m_(m) {}
   Model* m_;
   ir::PipelineOptions o_;
+  std::string precision_;  // empty: keep o_.bf16_contractions
 };
 
 class Model {

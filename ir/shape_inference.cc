@@ -85,6 +85,17 @@ struct Checker {
   void RequireF32(size_t i) const {
     Require(in[i].dtype == DType::kF32, Str("operand ", i, " must be f32, got ", in[i].ToString()));
   }
+  // Float arithmetic: f32 or bf16 (bf16 is computed in f32 and rounded).
+  void RequireFloat(size_t i) const {
+    Require(IsFloat(in[i].dtype), Str("operand ", i, " must be f32 or bf16, got ", in[i].ToString()));
+  }
+  // The result dtype of a convolution or pooling op: bf16 when every operand is bf16, else f32 (the
+  // kernels check that their operands are float).
+  DType WindowDType() const {
+    for (const TensorType& t : in)
+      if (t.dtype != DType::kBF16) return DType::kF32;
+    return DType::kBF16;
+  }
 };
 
 // Output spatial size of a window (conv or pool) along one axis; 0 when the window does not fit the
@@ -165,11 +176,11 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
     case OpCode::kCos:
     case OpCode::kSigmoid:
     case OpCode::kRelu:
-      c.RequireF32(0);
+      c.RequireFloat(0);
       return in[0];
     case OpCode::kConvert: {
       DType to;
-      c.Require(ParseDType(c.String("dtype"), &to), "attribute 'dtype' must be f32 or s32");
+      c.Require(ParseDType(c.String("dtype"), &to), "attribute 'dtype' must be f32, s32 or bf16");
       return {to, in[0].shape};
     }
 
@@ -189,7 +200,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       return in[0];
     case OpCode::kPow:
       same_types();
-      c.RequireF32(0);
+      c.RequireFloat(0);
       return in[0];
     case OpCode::kSelect:
       same_shapes();
@@ -280,8 +291,9 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.Require(r >= 2, Str("operands must have rank >= 2, got ", in[0].ToString()));
       c.Require(in[1].rank() == r, Str("operands must have the same rank, got ", in[0].ToString(), " and ",
                                        in[1].ToString()));
-      c.RequireF32(0);
-      c.RequireF32(1);
+      c.RequireFloat(0);
+      c.RequireFloat(1);
+      c.Require(in[0].dtype == in[1].dtype, "operand dtypes differ");
       for (int64_t d = 0; d + 2 < r; ++d)
         c.Require(in[0].shape[d] == in[1].shape[d],
                   Str("batch dimension ", d, " differs: ", in[0].shape[d], " vs ", in[1].shape[d]));
@@ -293,7 +305,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       Shape out(a.begin(), a.end() - 2);
       out.push_back(m);
       out.push_back(n);
-      return {DType::kF32, out};
+      return {in[0].dtype, out};
     }
     case OpCode::kConv2d: {
       c.RequireRank(0, 4);
@@ -304,7 +316,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.Require(x[1] == w[1], Str("input channels ", x[1], " do not match filter input channels ", w[1]));
       int64_t oh = WindowOut(x[2], w[2], s[0], p[0]), ow = WindowOut(x[3], w[3], s[1], p[1]);
       c.Require(oh > 0 && ow > 0 && s[0] > 0 && s[1] > 0, "filter larger than padded input, or bad stride");
-      return {DType::kF32, {x[0], w[0], oh, ow}};
+      return {c.WindowDType(), {x[0], w[0], oh, ow}};
     }
     case OpCode::kConv2dInputGrad: {  // (dy, w) -> dx
       c.RequireRank(0, 4);
@@ -316,7 +328,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.Require(x.size() == 4 && dy[0] == x[0] && dy[1] == w[0] && x[1] == w[1] &&
                     dy[2] == WindowOut(x[2], w[2], s[0], p[0]) && dy[3] == WindowOut(x[3], w[3], s[1], p[1]),
                 "input_shape, dy and filter do not describe one convolution");
-      return {DType::kF32, x};
+      return {c.WindowDType(), x};
     }
     case OpCode::kConv2dFilterGrad: {  // (x, dy) -> dw
       c.RequireRank(0, 4);
@@ -328,7 +340,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       c.Require(w.size() == 4 && dy[0] == x[0] && dy[1] == w[0] && x[1] == w[1] &&
                     dy[2] == WindowOut(x[2], w[2], s[0], p[0]) && dy[3] == WindowOut(x[3], w[3], s[1], p[1]),
                 "filter_shape, x and dy do not describe one convolution");
-      return {DType::kF32, w};
+      return {c.WindowDType(), w};
     }
     case OpCode::kMaxPool:
     case OpCode::kAvgPool: {
@@ -339,7 +351,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       const Shape& x = in[0].shape;
       int64_t oh = WindowOut(x[2], k[0], s[0], p), ow = WindowOut(x[3], k[1], s[1], p);
       c.Require(oh > 0 && ow > 0 && s[0] > 0 && s[1] > 0, "window larger than input, or bad stride");
-      return {DType::kF32, {x[0], x[1], oh, ow}};
+      return {c.WindowDType(), {x[0], x[1], oh, ow}};
     }
     case OpCode::kMaxPoolGrad: {  // (x, dy) -> dx
       c.RequireRank(0, 4);
@@ -360,7 +372,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       const Shape& dy = in[0].shape;
       c.Require(x.size() == 4 && dy == Shape{x[0], x[1], WindowOut(x[2], k[0], s[0], 0), WindowOut(x[3], k[1], s[1], 0)},
                 "dy does not match the pooled shape of input_shape");
-      return {DType::kF32, x};
+      return {c.WindowDType(), x};
     }
 
     case OpCode::kRandomUniform: {  // (step s32[], first_example s32[]) {seed, shape} -> f32[shape]

@@ -7,6 +7,7 @@ const char* DTypeName(DType t) {
   switch (t) {
     case DType::kF32: return "f32";
     case DType::kS32: return "s32";
+    case DType::kBF16: return "bf16";
   }
   return "?";
 }
@@ -14,6 +15,7 @@ const char* DTypeName(DType t) {
 bool ParseDType(const std::string& s, DType* out) {
   if (s == "f32") { *out = DType::kF32; return true; }
   if (s == "s32") { *out = DType::kS32; return true; }
+  if (s == "bf16") { *out = DType::kBF16; return true; }
   return false;
 }
 
@@ -21,6 +23,7 @@ int64_t DTypeBytes(DType t) {
   switch (t) {
     case DType::kF32: return 4;
     case DType::kS32: return 4;
+    case DType::kBF16: return 2;
   }
   return 0;
 }

@@ -7,11 +7,15 @@
 
 namespace shardstep::ir {
 
-enum class DType { kF32, kS32 };
+// kBF16: bfloat16 (1 sign, 8 exponent, 7 mantissa bits), the upper half of an f32; computed as f32
+// and rounded to nearest even (runtime/tensor.h has the conversions).
+enum class DType { kF32, kS32, kBF16 };
 
 using Shape = std::vector<int64_t>;
 
-const char* DTypeName(DType t);          // "f32", "s32"
+const char* DTypeName(DType t);          // "f32", "s32", "bf16"
+// f32 or bf16: the dtypes of float arithmetic.
+inline bool IsFloat(DType t) { return t == DType::kF32 || t == DType::kBF16; }
 bool ParseDType(const std::string& s, DType* out);
 int64_t DTypeBytes(DType t);
 int64_t NumElements(const Shape& s);

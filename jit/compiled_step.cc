@@ -26,7 +26,12 @@
 // s32 division, iota -> native loops (jit/native_ops.h); random_uniform -> the JIT's own Philox
 // (jit/random_lowering.h); one-hot -> a native loop; collectives -> the runtime Collectives. The
 // interpreter's kernel on a one-op module (kReference) remains as a fallback for a future op with no
-// native lowering; no op of the table uses it (tests/jit/jit_conformance_test.cc checks).
+// native lowering; no op of the table uses it on f32/s32 (tests/jit/jit_conformance_test.cc checks).
+// bf16: elementwise ops and broadcasts are fused loops (jit/kernel_emitter.cc: widen, compute in
+// f32, round to nearest even); collectives and matmuls widen to f32, reduce (sgemm: f32 accumulation)
+// and round once; the other ops on bf16 run the interpreter's kernel (kReference: the same
+// widen-compute-round rule) until they get native bf16 lowerings. The mixed-precision pass
+// (ir/passes/mixed_precision.h) leaves matmuls and convolutions on f32 operands, so it never needs those.
 #include "jit/compiled_step.h"
 #include "jit/jit_source_hash.h"
 
@@ -85,8 +90,9 @@ runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int repl
       throw Error(Str("group_size ", in.GetInt("group_size"), " but replica ", replica, "'s group has ", group.size(),
                       " members"));
     if (!c && group.size() != 1) throw Error(Str("a group of ", group.size(), " replicas needs a Collectives implementation"));
-    if (c && in.type.dtype != DType::kF32)
-      throw Error(Str("the Collectives interface carries f32 only, got ", in.type.ToString()));
+    if (c && !ir::IsFloat(in.type.dtype))
+      throw Error(Str("the Collectives interface carries f32 (and bf16 widened to f32) only, got ",
+                      in.type.ToString()));
     return group;
   }
   throw Error(Str("replica ", replica, " is in none of the replica groups"));
@@ -109,7 +115,7 @@ const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& 
     throw Error(Str(what, " @", in.name, ": expected ", global.ToString(),
                     parts > 1 ? Str(" (", parts, " replicas of ", in.type.ToString(), ")") : "", ", got ", t.type.ToString()));
   }
-  const size_t held = t.dtype() == DType::kF32 ? t.f32.size() : t.s32.size();
+  const size_t held = t.held();
   if (static_cast<int64_t>(held) != t.elements())
     throw Error(Str(what, " @", in.name, ": ", t.type.ToString(), " holds ", held, " values"));
   return static_cast<const char*>(t.raw()) + (parts > 1 ? part * in.type.bytes() : 0);
@@ -134,6 +140,10 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
   const ir::Instr& in = m.at(v);
   if (ir::HasProperty(in.op, ir::kLeaf)) return Lowering::kLeaf;
   if (in.Has(ir::kFusionAttr) || ir::IsFusible(m, v)) return Lowering::kFused;
+  bool bf16 = in.type.dtype == DType::kBF16;
+  for (ValueId o : in.operands) bf16 |= m.type(o).dtype == DType::kBF16;
+  if (bf16 && in.op == OpCode::kMatmul) return Lowering::kNative;  // widened, f32 sgemm, rounded (RunInstr)
+  if (bf16 && in.op != OpCode::kReshape && !ir::HasProperty(in.op, ir::kCollective)) return Lowering::kReference;
   switch (in.op) {
     case OpCode::kReshape: return Lowering::kAlias;
     case OpCode::kMatmul: return in.type.rank() == 2 ? Lowering::kMatmul : Lowering::kNative;
@@ -468,6 +478,8 @@ void CompiledStep::Allocate(Workspace* ws) const {
       const double c = in.GetFloat("value");
       const int64_t count = in.type.elements();
       if (in.type.dtype == DType::kF32) std::fill_n(reinterpret_cast<float*>(base + offset_[v]), count, static_cast<float>(c));
+      else if (in.type.dtype == DType::kBF16)
+        std::fill_n(reinterpret_cast<uint16_t*>(base + offset_[v]), count, runtime::F32ToBf16(static_cast<float>(c)));
       else std::fill_n(reinterpret_cast<int32_t*>(base + offset_[v]), count, ToS32(c));
     }
   }
@@ -501,11 +513,20 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       const runtime::ReplicaGroup group = GroupOf(m_, in, replica, c);
       const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
       if (!c) {
-        std::memcpy(out, P(0), nout * 4);
+        std::memcpy(out, P(0), in.type.bytes());
         return;
       }
       float* o = static_cast<float*>(out);
       const float* x = static_cast<const float*>(P(0));
+      std::vector<float> wide_x, wide_o;  // bf16: reduced as f32 in the f32 order, rounded once
+      if (in.type.dtype == DType::kBF16) {
+        const uint16_t* h = static_cast<const uint16_t*>(P(0));
+        wide_x.resize(nin);
+        wide_o.resize(nout);
+        for (int64_t i = 0; i < nin; ++i) wide_x[i] = runtime::Bf16ToF32(h[i]);
+        x = wide_x.data();
+        o = wide_o.data();
+      }
       if (in.op == OpCode::kAllReduce) {
         c->AllReduce(replica, group, x, o, nout, ReductionOf(in));
       } else if (in.op == OpCode::kReduceScatter) {
@@ -513,6 +534,8 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       } else {
         c->AllGather(replica, group, x, o, nin);
       }
+      if (in.type.dtype == DType::kBF16)
+        for (int64_t i = 0; i < nout; ++i) static_cast<uint16_t*>(out)[i] = runtime::F32ToBf16(wide_o[i]);
       return;
     }
     case Lowering::kNative: break;
@@ -634,7 +657,20 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       else AvgPoolGrad(PoolShapeOf(in.type.shape, in), x, y);
       return;
     }
-    case OpCode::kMatmul:  // batched (rank >= 3)
+    case OpCode::kMatmul:  // batched (rank >= 3), or bf16 at any rank
+      if (in.type.dtype == DType::kBF16) {  // widen (exact), f32 sgemm, round to nearest even
+        auto widen = [&](int i) {
+          const uint16_t* h = static_cast<const uint16_t*>(P(i));
+          std::vector<float> w(m_.type(in.operands[i]).elements());
+          for (size_t j = 0; j < w.size(); ++j) w[j] = runtime::Bf16ToF32(h[j]);
+          return w;
+        };
+        const std::vector<float> a = widen(0), b = widen(1);
+        std::vector<float> y(in.type.elements());
+        BatchedMatmul(in, shape(0), shape(1), a.data(), b.data(), y.data());
+        for (size_t j = 0; j < y.size(); ++j) static_cast<uint16_t*>(out)[j] = runtime::F32ToBf16(y[j]);
+        return;
+      }
       BatchedMatmul(in, shape(0), shape(1), static_cast<const float*>(P(0)), static_cast<const float*>(P(1)),
                     static_cast<float*>(out));
       return;
@@ -714,6 +750,7 @@ void CompiledStep::Assign(TensorMap& variables, Workspace* ws) const {
     } else if (swappable_[v] && ws->is_owned[v] && src.type == dst.type && ws->ptr[v] == src.raw()) {
       std::swap(dst.f32, src.f32);
       std::swap(dst.s32, src.s32);
+      std::swap(dst.bf16, src.bf16);
     } else {
       std::memmove(dst.raw(), ws->ptr[v], dst.bytes());
     }

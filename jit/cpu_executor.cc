@@ -21,7 +21,7 @@ struct CpuExecutor::State {
 };
 
 CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const CpuExecutorOptions& options)
-    : ReplicatedExecutor(step), s_(std::make_unique<State>(step.num_replicas)), options_(options) {
+    : ReplicatedExecutor(step, options.collectives), s_(std::make_unique<State>(step.num_replicas)), options_(options) {
   step_ = CompiledStep::Compile(step, options.jit);
   LoadLogicalState(state);
 }

@@ -10,6 +10,9 @@ namespace shardstep::jit {
 
 struct CpuExecutorOptions {
   JitOptions jit;
+  // What the replicas exchange through (runtime::ReplicatedExecutor); empty: in-process. The same
+  // compiled step runs on any collectives (the tpu-mesh backend passes the emulated torus's).
+  runtime::CollectivesFactory collectives;
 };
 
 class CpuExecutor : public runtime::ReplicatedExecutor {

@@ -11,6 +11,9 @@
 //  - rsqrt = 1 / sqrt(x); sigmoid = 1 / (1 + expf(-x));
 //  - comparisons give 1 or 0 in the result dtype; select tests cond != 0 (NaN counts as true);
 //  - s32 add/sub/mul/neg/abs wrap; convert f32 -> s32 truncates and saturates (NaN -> 0).
+//  - bf16 (i16 in memory) is computed in f32: a load widens exactly (bits << 16), every bf16-typed
+//    member's f32 result is rounded to nearest even in integer ops (runtime/tensor.h F32ToBf16: NaN
+//    made quiet, overflow to inf), and a store keeps the upper half. No LLVM bfloat arithmetic.
 #include "jit/kernel_emitter.h"
 
 #include <llvm/IR/IRBuilder.h>
@@ -24,6 +27,7 @@
 #include <unordered_map>
 
 #include "ir/error.h"
+#include "runtime/tensor.h"
 
 namespace shardstep::jit {
 namespace {
@@ -80,8 +84,28 @@ class Emitter {
 
  private:
   llvm::Type* ElemTy(DType t) {
+    if (t == DType::kBF16) return llvm::Type::getInt16Ty(ctx_);
     return t == DType::kF32 ? llvm::Type::getFloatTy(ctx_) : static_cast<llvm::Type*>(llvm::Type::getInt32Ty(ctx_));
   }
+
+  // A loaded element as a register value: bf16 bits widen (exactly) to f32.
+  llvm::Value* Widen(llvm::IRBuilder<>& b, llvm::Value* v, DType t) {
+    if (t != DType::kBF16) return v;
+    return b.CreateBitCast(b.CreateShl(b.CreateZExt(v, b.getInt32Ty()), 16), b.getFloatTy());
+  }
+
+  // f32 -> bf16 bits, round to nearest even; a NaN keeps its sign and top payload and is made quiet.
+  llvm::Value* Bf16Bits(llvm::IRBuilder<>& b, llvm::Value* f) {
+    llvm::Value* u = b.CreateBitCast(f, b.getInt32Ty());
+    llvm::Value* hi = b.CreateLShr(u, 16);
+    llvm::Value* bias = b.CreateAdd(b.getInt32(0x7fff), b.CreateAnd(hi, b.getInt32(1)));
+    llvm::Value* rounded = b.CreateLShr(b.CreateAdd(u, bias), 16);
+    llvm::Value* quiet = b.CreateOr(hi, b.getInt32(0x40));
+    return b.CreateTrunc(b.CreateSelect(b.CreateFCmpUNO(f, f), quiet, rounded), b.getInt16Ty());
+  }
+
+  // f rounded to the nearest bf16, kept as f32 (the value every bf16-typed member holds).
+  llvm::Value* RoundBf16(llvm::IRBuilder<>& b, llvm::Value* f) { return Widen(b, Bf16Bits(b, f), DType::kBF16); }
 
   void EmitBody(const FusedKernel& k, llvm::Function* f) {
     llvm::BasicBlock* entry = llvm::BasicBlock::Create(ctx_, "entry", f);
@@ -98,8 +122,9 @@ class Emitter {
     for (size_t j = 0; j < nin; ++j) {
       const ValueId v = k.inputs[j];
       input_arg[v] = static_cast<unsigned>(j);
+      const DType dt = m_.type(v).dtype;
       if (m_.type(v).shape != k.shape && m_.type(v).elements() == 1)
-        scalar[v] = b.CreateLoad(ElemTy(m_.type(v).dtype), f->getArg(static_cast<unsigned>(j)));
+        scalar[v] = Widen(b, b.CreateLoad(ElemTy(dt), f->getArg(static_cast<unsigned>(j))), dt);
     }
     b.CreateCondBr(b.CreateICmpSLT(begin, end), loop, exit);
 
@@ -113,13 +138,15 @@ class Emitter {
       const ir::Instr& in = m_.at(o);
       if (in.op == OpCode::kConstant) {
         const double c = in.GetFloat("value");
+        if (in.type.dtype == DType::kBF16)
+          return llvm::ConstantFP::get(b.getFloatTy(), runtime::RoundToBf16(static_cast<float>(c)));
         return in.type.dtype == DType::kF32 ? static_cast<llvm::Value*>(llvm::ConstantFP::get(b.getFloatTy(), static_cast<float>(c)))
                                             : b.getInt32(static_cast<uint32_t>(ToS32(c)));
       }
       auto it = input_arg.find(o);
       SS_CHECK(it != input_arg.end(), "kernel ", k.name, " has no input %", o);
       llvm::Type* t = ElemTy(in.type.dtype);
-      llvm::Value* v = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(it->second), i));
+      llvm::Value* v = Widen(b, b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(it->second), i)), in.type.dtype);
       val[o] = v;
       return v;
     };
@@ -149,17 +176,20 @@ class Emitter {
         }
         if (narrow) idx = b.CreateZExt(idx, b.getInt64Ty());
         llvm::Type* t = ElemTy(m_.type(src).dtype);
-        val[v] = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), idx));
+        llvm::Value* loaded = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), idx));
+        val[v] = Widen(b, loaded, m_.type(src).dtype);
         continue;
       }
       std::vector<llvm::Value*> x;
       for (ValueId o : in.operands) x.push_back(operand(o));
       val[v] = Lower(b, in, x);
+      if (in.type.dtype == DType::kBF16) val[v] = RoundBf16(b, val[v]);
     }
     for (size_t j = 0; j < k.outputs.size(); ++j) {
       const ValueId v = k.outputs[j];
       llvm::Type* t = ElemTy(m_.type(v).dtype);
-      b.CreateStore(val.at(v), b.CreateInBoundsGEP(t, f->getArg(static_cast<unsigned>(nin + j)), i));
+      llvm::Value* x = m_.type(v).dtype == DType::kBF16 ? Bf16Bits(b, val.at(v)) : val.at(v);  // exact: rounded above
+      b.CreateStore(x, b.CreateInBoundsGEP(t, f->getArg(static_cast<unsigned>(nin + j)), i));
     }
     llvm::Value* next = b.CreateAdd(i, b.getInt64(1), "next", /*HasNUW=*/true, /*HasNSW=*/true);
     i->addIncoming(next, b.GetInsertBlock());
@@ -182,7 +212,7 @@ class Emitter {
 
   // Converts a boolean to the result dtype (1 or 0).
   llvm::Value* FromBool(llvm::IRBuilder<>& b, llvm::Value* c, DType t) {
-    return t == DType::kF32 ? b.CreateUIToFP(c, b.getFloatTy()) : b.CreateZExt(c, b.getInt32Ty());
+    return ir::IsFloat(t) ? b.CreateUIToFP(c, b.getFloatTy()) : b.CreateZExt(c, b.getInt32Ty());
   }
 
   llvm::Value* Lower(llvm::IRBuilder<>& b, const ir::Instr& in, const std::vector<llvm::Value*>& x) {
@@ -211,7 +241,7 @@ class Emitter {
         const DType to = in.type.dtype;
         if (f && to == DType::kS32)
           return b.CreateIntrinsic(llvm::Intrinsic::fptosi_sat, {b.getInt32Ty(), b.getFloatTy()}, {x[0]});
-        if (!f && to == DType::kF32) return b.CreateSIToFP(x[0], b.getFloatTy());
+        if (!f && ir::IsFloat(to)) return b.CreateSIToFP(x[0], b.getFloatTy());  // bf16: rounded by the caller
         return x[0];
       }
       case OpCode::kAdd: return f ? b.CreateFAdd(x[0], x[1]) : b.CreateAdd(x[0], x[1]);

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "ir/error.h"
+#include "runtime/tensor.h"
 #include "jit/dnnl_kernels.h"
 
 namespace shardstep::jit {
@@ -35,6 +36,9 @@ void Iota(const ir::TensorType& type, int64_t dimension, void* out) {
   if (type.dtype == ir::DType::kF32) {
     float* o = static_cast<float*>(out);
     for (int64_t i = 0; i < total; ++i) o[i] = static_cast<float>((i / inner) % len);
+  } else if (type.dtype == ir::DType::kBF16) {  // the f32 index rounded to nearest even, as the interpreter
+    uint16_t* o = static_cast<uint16_t*>(out);
+    for (int64_t i = 0; i < total; ++i) o[i] = runtime::F32ToBf16(static_cast<float>((i / inner) % len));
   } else {
     int32_t* o = static_cast<int32_t*>(out);
     for (int64_t i = 0; i < total; ++i) o[i] = static_cast<int32_t>((i / inner) % len);

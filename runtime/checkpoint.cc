@@ -33,6 +33,7 @@ const char* SafetensorsDType(ir::DType t) {
   switch (t) {
     case ir::DType::kF32: return "F32";
     case ir::DType::kS32: return "I32";
+    case ir::DType::kBF16: return "BF16";  // safetensors' name for bfloat16 (torch.bfloat16)
   }
   return "?";
 }
@@ -79,11 +80,12 @@ Entry ParseEntry(const std::string& path, const std::string& name, const json& v
   const std::string dt = dtype->get<std::string>();
   if (dt == "F32") e.type.dtype = ir::DType::kF32;
   else if (dt == "I32") e.type.dtype = ir::DType::kS32;
-  else throw bad(Str("unsupported dtype '", dt, "' (supported: F32, I32)"));
+  else if (dt == "BF16") e.type.dtype = ir::DType::kBF16;
+  else throw bad(Str("unsupported dtype '", dt, "' (supported: F32, I32, BF16)"));
 
   auto shape = v.find("shape");
   if (shape == v.end() || !shape->is_array()) throw bad("missing or non-array \"shape\"");
-  uint64_t bytes = 4;
+  uint64_t bytes = static_cast<uint64_t>(ir::DTypeBytes(e.type.dtype));
   for (const json& d : *shape) {
     auto dim = AsUnsigned(d);
     if (!dim || *dim > uint64_t{INT64_MAX}) throw bad(Str("bad dimension ", d.dump(), " in shape ", shape->dump()));
@@ -165,7 +167,7 @@ void SaveCheckpoint(const std::string& path, const std::map<std::string, Tensor>
   uint64_t offset = 0;
   for (const auto& [name, t] : tensors) {
     if (name == "__metadata__") throw Error(Str(path, ": cannot save a tensor named '__metadata__'"));
-    size_t stored = t.dtype() == ir::DType::kF32 ? t.f32.size() : t.s32.size();
+    size_t stored = t.held();
     if (static_cast<int64_t>(stored) != t.elements()) {
       throw Error(Str(path, ": cannot save tensor '", name, "': type ", t.type.ToString(), " but ", stored,
                       " elements stored"));

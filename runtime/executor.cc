@@ -62,16 +62,36 @@ class InterpreterExecutor : public ReplicatedExecutor {
 
 }  // namespace
 
-ReplicatedExecutor::ReplicatedExecutor(const ir::Module& layout)
-    : layout_(layout), n_(layout.num_replicas), collectives_(layout.num_replicas), states_(n_) {
+CollectivesFactory InProcessCollectivesFactory() {
+  return [](int n) -> std::unique_ptr<Collectives> { return std::make_unique<InProcessCollectives>(n); };
+}
+
+ReplicatedExecutor::ReplicatedExecutor(const ir::Module& layout, const CollectivesFactory& make_collectives)
+    : layout_(layout),
+      n_(layout.num_replicas),
+      collectives_((make_collectives ? make_collectives : InProcessCollectivesFactory())(layout.num_replicas)),
+      states_(n_) {
+  if (!collectives_ || collectives_->num_replicas() != n_)
+    throw Error(Str("the backend's collectives serve ", collectives_ ? collectives_->num_replicas() : 0,
+                    " replicas; the step module \"", layout.name, "\" has ", n_));
   KeepFreedMemory();
+}
+
+double ReplicatedExecutor::CommunicationSeconds() const {
+  auto* in_process = dynamic_cast<const InProcessCollectives*>(collectives_.get());
+  return in_process ? in_process->busy_seconds() : 0;
+}
+
+void ReplicatedExecutor::SetPhaseTiming(bool on) {
+  if (auto* in_process = dynamic_cast<InProcessCollectives*>(collectives_.get())) in_process->set_phase_timing(on);
 }
 
 std::vector<TensorMap> ReplicatedExecutor::StepReplicas(const TensorMap& global_inputs) {
   if (n_ == 1) return {RunReplica(0, global_inputs, states_[0], nullptr)};  // no thread hop
   std::vector<TensorMap> outputs(n_);
   if (!pool_) pool_ = std::make_unique<ReplicaPool>(n_);
-  pool_->Run(&collectives_, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], &collectives_); });
+  Collectives* c = collectives_.get();
+  pool_->Run(c, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], c); });
   return outputs;
 }
 

@@ -3,6 +3,7 @@
 // batch and shard the state is the executor's business.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,9 +46,15 @@ class Executor {
   void LoadLogicalState(const XtensorMap& state);
 };
 
+// The collectives a backend's replicas exchange through, made for `num_replicas` replicas (a backend picks
+// them: in-process threads for "cpu" and "interp", the emulated torus for "tpu-mesh").
+using CollectivesFactory = std::function<std::unique_ptr<Collectives>(int num_replicas)>;
+// InProcessCollectives, the default.
+CollectivesFactory InProcessCollectivesFactory();
+
 // What every in-process backend shares: one thread per replica (none for a single replica; started at
 // the first step and parked between steps), the
-// in-process collectives, each replica's state shard, the loss averaged over replicas, and the
+// collectives it is given (in-process by default), each replica's state shard, the loss averaged over replicas, and the
 // conversion between the logical state and the shards. A backend supplies one replica's step.
 class ReplicatedExecutor : public Executor {
  public:
@@ -57,21 +64,24 @@ class ReplicatedExecutor : public Executor {
   std::vector<TensorMap> StepReplicas(const TensorMap& global_inputs) final;
   TensorMap LogicalState() const final;
   void LoadLogicalState(const TensorMap& state) final;
-  double CommunicationSeconds() const final { return collectives_.busy_seconds(); }
-  void SetPhaseTiming(bool on) final { collectives_.set_phase_timing(on); }
+  // The InProcessCollectives' timing; 0 and nothing for other collectives.
+  double CommunicationSeconds() const final;
+  void SetPhaseTiming(bool on) final;
 
  protected:
   // `layout`: the step module whose variables (sharded or not) the replicas hold.
-  explicit ReplicatedExecutor(const ir::Module& layout);
+  // `make_collectives` (default: in-process) is called once, for layout.num_replicas replicas.
+  explicit ReplicatedExecutor(const ir::Module& layout, const CollectivesFactory& make_collectives = {});
   // Replica r's part of one step: its chunk of `global_inputs` along dimension 0, its `state`;
   // `c` is null for a single replica.
   virtual TensorMap RunReplica(int r, const TensorMap& global_inputs, TensorMap& state, Collectives* c) = 0;
   int num_replicas() const { return n_; }
+  Collectives& collectives() { return *collectives_; }
 
  private:
   ir::Module layout_;
   int n_;
-  InProcessCollectives collectives_;
+  std::unique_ptr<Collectives> collectives_;
   std::vector<TensorMap> states_;
   std::unique_ptr<ReplicaPool> pool_;  // last: its threads stop before the rest goes
 };

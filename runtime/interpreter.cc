@@ -9,6 +9,10 @@
 //  - reduce_sum/mean accumulate in double in increasing input index order; reduce_max, max_pool take
 //    the first maximum (a NaN counts as a maximum; max_pool's padded cells never win).
 //  - random_uniform is Philox4x32-10 (runtime/philox.h), bitwise.
+//  - bf16: every op with a bf16 operand or result runs as its f32 version on the operands widened
+//    (exactly) to f32, and a bf16 result is that f32 result rounded to nearest even (F32ToBf16 in
+//    runtime/tensor.h: NaN stays NaN, overflow rounds to inf). So a bf16 collective sums in f32 in the
+//    f32 order and rounds once. Bitwise where the f32 op is.
 // Backends may round differently (but must stay within rounding of these results) where:
 //  - matmul and conv2d (and its gradients) accumulate their products in double, in index order of
 //    the contracted dimensions, and round once; avg_pool and its gradient also sum in double.
@@ -60,6 +64,7 @@ Tensor Typed(DType dtype, F&& f) {
   switch (dtype) {
     case DType::kF32: return f(float{});
     case DType::kS32: return f(int32_t{});
+    case DType::kBF16: break;  // widened to f32 before it gets here (EvaluateAnyFloat)
   }
   SS_CHECK(false, "bad dtype");
   return {};
@@ -596,7 +601,7 @@ const Tensor& Lookup(const TensorMap& map, const char* what, const Instr& in) {
   const Tensor& t = it->second;
   if (t.type != in.type)
     throw Error(Str(what, " @", in.name, ": expected ", in.type.ToString(), ", got ", t.type.ToString()));
-  const size_t held = t.dtype() == DType::kF32 ? t.f32.size() : t.s32.size();
+  const size_t held = t.held();
   if (static_cast<int64_t>(held) != t.elements())
     throw Error(Str(what, " @", in.name, ": ", t.type.ToString(), " holds ", held, " values"));
   return t;
@@ -688,6 +693,28 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
   return {};
 }
 
+// bf16 (see the conventions above): widen, evaluate as f32, round the result.
+Tensor EvaluateAnyFloat(const Context& ctx, const Instr& in, const Operands& x) {
+  bool bf16 = in.type.dtype == DType::kBF16 && in.op != OpCode::kVariable && in.op != OpCode::kInput;
+  for (const Tensor* t : x) bf16 |= t->dtype() == DType::kBF16;
+  if (!bf16) return Evaluate(ctx, in, x);
+  std::vector<Tensor> wide;
+  wide.reserve(x.size());
+  Operands wx;
+  for (const Tensor* t : x) {
+    if (t->dtype() != DType::kBF16) {
+      wx.push_back(t);
+      continue;
+    }
+    wide.push_back(t->AsFloat(DType::kF32));
+    wx.push_back(&wide.back());
+  }
+  Instr f32 = in;
+  if (f32.type.dtype == DType::kBF16) f32.type.dtype = DType::kF32;
+  Tensor r = Evaluate(ctx, f32, wx);
+  return in.type.dtype == DType::kBF16 ? r.AsFloat(DType::kBF16) : r;
+}
+
 // Evaluates every instruction in order. With `keep` given, a value is released after its last use
 // unless keep[v] is set, so a step holds only its live buffers.
 std::vector<Tensor> Run(const ir::Module& m, const TensorMap& variables, const TensorMap& inputs, int replica,
@@ -712,7 +739,7 @@ std::vector<Tensor> Run(const ir::Module& m, const TensorMap& variables, const T
       operands.push_back(&values[o]);
     }
     try {
-      values[v] = Evaluate(ctx, in, operands);
+      values[v] = EvaluateAnyFloat(ctx, in, operands);
     } catch (const Error& e) {
       if (ir::HasProperty(in.op, ir::kLeaf)) throw;
       throw Error(Str("%", v, " = ", ir::OpName(in.op), ": ", e.what()));

@@ -28,6 +28,9 @@ constexpr Key kKeys[] = {
     {"chip", "peak_bf16_tflops", 1e12, false},
     {"chip", "hbm_gib", 1024.0 * 1024 * 1024, false},
     {"chip", "hbm_gbps", 1e9, false},
+    {"chip", "vpu_lanes", 1, true},
+    {"chip", "vpu_sublanes", 1, true},
+    {"chip", "mxu_f32_passes", 1, true},
     {"interconnect", "links_per_chip", 1, true},
     {"interconnect", "link_gbps", 1e9, false},
     {"interconnect", "link_latency_us", 1e-6, false},
@@ -83,6 +86,9 @@ HardwareTable ReadHardwareTable(const std::string& path) {
   t.peak_bf16_flops_per_chip = get("chip", "peak_bf16_tflops");
   t.hbm_bytes_per_chip = get("chip", "hbm_gib");
   t.hbm_bytes_per_s_per_chip = get("chip", "hbm_gbps");
+  t.vpu_lanes = static_cast<int>(get("chip", "vpu_lanes"));
+  t.vpu_sublanes = static_cast<int>(get("chip", "vpu_sublanes"));
+  t.mxu_f32_passes = static_cast<int>(get("chip", "mxu_f32_passes"));
   t.links_per_chip = static_cast<int>(get("interconnect", "links_per_chip"));
   t.link = LinkModel{get("interconnect", "link_latency_us"), get("interconnect", "link_gbps")};
   t.on_chip = LinkModel{get("interconnect", "on_chip_latency_us"), get("interconnect", "on_chip_gbps")};

@@ -19,6 +19,8 @@ struct HardwareTable {
   double peak_bf16_flops_per_chip = 0;  // FLOP/s
   double hbm_bytes_per_chip = 0;
   double hbm_bytes_per_s_per_chip = 0;
+  int vpu_lanes = 0, vpu_sublanes = 0;  // the vector unit: one f32 op per element and clock cycle
+  int mxu_f32_passes = 0;               // bf16 MXU passes per f32 matmul
   // [interconnect]
   int links_per_chip = 0;
   LinkModel link;     // one direction of one inter-chip link
@@ -28,6 +30,8 @@ struct HardwareTable {
   double ClockHz() const;
   double PeakFlopsPerCore() const { return peak_bf16_flops_per_chip / cores_per_chip; }
   double HbmBytesPerSPerCore() const { return hbm_bytes_per_s_per_chip / cores_per_chip; }
+  double VectorFlopsPerCore() const { return static_cast<double>(vpu_lanes) * vpu_sublanes * ClockHz(); }
+  double PeakF32FlopsPerCore() const { return PeakFlopsPerCore() / mxu_f32_passes; }
 };
 
 // Reads a table. Every key must be present once, numeric and positive; an unknown table or key is an

@@ -112,7 +112,7 @@ int64_t LinkTraffic::TotalLinkBytes() const {
 int64_t LinkTraffic::MaxLinkBytes() const { return bytes.empty() ? 0 : *std::max_element(bytes.begin(), bytes.end()); }
 
 void RunSchedule(const MeshTopology& mesh, const RingSchedule& schedule, const std::vector<float*>& buffers,
-                 int64_t buffer_elements, LinkTraffic* traffic) {
+                 int64_t buffer_elements, LinkTraffic* traffic, runtime::Reduction op) {
   if (static_cast<int>(buffers.size()) != mesh.replicas())
     throw Error(Str(schedule.name, ": ", buffers.size(), " buffers for ", mesh.replicas(), " replicas"));
   const size_t links = mesh.Links().size();
@@ -145,7 +145,9 @@ void RunSchedule(const MeshTopology& mesh, const RingSchedule& schedule, const s
     const float* in = staged.data();
     for (const Transfer& t : step) {
       float* dst = buffers[t.to] + t.offset;
-      if (t.accumulate) {
+      if (t.accumulate && op == runtime::Reduction::kMax) {
+        for (int64_t j = 0; j < t.count; ++j) dst[j] = runtime::FoldMax(in[j], dst[j]);
+      } else if (t.accumulate) {
         for (int64_t j = 0; j < t.count; ++j) dst[j] += in[j];
       } else {
         std::copy_n(in, t.count, dst);

@@ -64,7 +64,9 @@ struct LinkTraffic {
 // each long enough for every offset the schedule touches), moving data only by transfers over one
 // link (or on chip) between neighbours, and adds what moved to `traffic` (sized for `mesh` on first
 // use). Throws if a transfer is not between neighbours or leaves a buffer.
+// An accumulating transfer folds with `op` (kSum and kMean add, kMax runtime::FoldMax(partial, own));
+// buffers of replicas no transfer touches may be null.
 void RunSchedule(const MeshTopology& mesh, const RingSchedule& schedule, const std::vector<float*>& buffers,
-                 int64_t buffer_elements, LinkTraffic* traffic);
+                 int64_t buffer_elements, LinkTraffic* traffic, runtime::Reduction op = runtime::Reduction::kSum);
 
 }  // namespace shardstep::tpu

@@ -6,6 +6,7 @@
 #include "ir/passes/collective_combiner.h"
 #include "ir/passes/data_parallel_lowering.h"
 #include "ir/passes/elementwise_fuser.h"
+#include "ir/passes/mixed_precision.h"
 #include "ir/passes/nonfinite_guard.h"
 #include "ir/passes/weight_update_sharder.h"
 #include "ir/verifier.h"
@@ -45,7 +46,8 @@ bool PassPipeline::Run(Module& m) {
 namespace {
 
 // The training pipeline's passes in order.
-const char* const kTrainingPasses[] = {"autodiff", "data-parallel-lowering", "optimizer-lowering", "nonfinite-guard",
+const char* const kTrainingPasses[] = {"autodiff", "mixed-precision", "data-parallel-lowering", "optimizer-lowering",
+                                       "nonfinite-guard",
                                        "weight-update-sharder", "shard-order-reductions", "collective-combiner"};
 
 // Whether the training pipeline built from `o` runs pass `n`.
@@ -53,6 +55,7 @@ bool RunsInTraining(const std::string& n, const PipelineOptions& o) {
   if (n == "weight-update-sharder") return o.shard_weight_update;
   if (n == "shard-order-reductions") return !o.shard_weight_update;  // the replicated update, in sharded order
   if (n == "nonfinite-guard") return o.nonfinite_guard;
+  if (n == "mixed-precision") return o.bf16_contractions;
   return true;
 }
 
@@ -69,6 +72,7 @@ std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& o
   if (name == "data-parallel-lowering") return std::make_unique<DataParallelLowering>(o.group_size);
   if (name == "optimizer-lowering") return std::make_unique<OptimizerLowering>(o.optimizer);
   if (name == "nonfinite-guard") return std::make_unique<NonfiniteGuard>();
+  if (name == "mixed-precision") return std::make_unique<MixedPrecision>();
   if (name == "weight-update-sharder")
     return std::make_unique<WeightUpdateSharder>(ShardingOptions{o.group_size, o.gather_at_start});
   if (name == "shard-order-reductions") return std::make_unique<ShardOrderReductions>(ShardingOptions{o.group_size});
@@ -98,6 +102,7 @@ PassPipeline BuildTrainingPipeline(const PipelineOptions& o) {
   if (!o.shard_weight_update) p.Disable("weight-update-sharder");
   else p.Disable("shard-order-reductions");
   if (!o.nonfinite_guard) p.Disable("nonfinite-guard");
+  if (!o.bf16_contractions) p.Disable("mixed-precision");
   return p;
 }
 

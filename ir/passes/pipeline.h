@@ -51,9 +51,13 @@ struct PipelineOptions {
   // state and outputs "step_finite" = 0 (the CLI's --on-nonfinite stop|skip turn it on; ignore leaves
   // it off).
   bool nonfinite_guard = false;
+  // --precision bf16: mixed-precision after autodiff rounds the operands of matmuls and convolutions
+  // to bf16 (f32 accumulation; ir/passes/mixed_precision.h). Off (f32) by default.
+  bool bf16_contractions = false;
 };
 
-// autodiff -> data-parallel-lowering -> optimizer-lowering -> [nonfinite-guard] -> weight-update-sharder (sharded)
+// autodiff -> [mixed-precision] -> data-parallel-lowering -> optimizer-lowering -> [nonfinite-guard]
+// -> weight-update-sharder (sharded)
 // or shard-order-reductions (not sharded: the update's norms in the sharded order, so both give the same bits)
 // -> collective-combiner
 PassPipeline BuildTrainingPipeline(const PipelineOptions& options);
@@ -66,7 +70,8 @@ std::vector<std::string> KnownPassNames();
 std::unique_ptr<Pass> MakePass(const std::string& name, const PipelineOptions& options);
 // A pipeline of the passes `names`, in that order; "all" stands for the training pipeline's passes
 // (BuildTrainingPipeline: weight-update-sharder only when options.shard_weight_update, shard-order-reductions
-// only when not, nonfinite-guard only when options.nonfinite_guard). A name given twice runs twice. Throws as
+// only when not, nonfinite-guard only when options.nonfinite_guard,
+// mixed-precision only when options.bf16_contractions). A name given twice runs twice. Throws as
 // MakePass for an unknown name.
 PassPipeline BuildPipeline(const std::vector<std::string>& names, const PipelineOptions& options);
 

@@ -233,7 +233,8 @@ TEST_CASE("an unknown pass name lists the known ones") {
   CheckOneLineError(r);
   CHECK(r.status == 1);
   CHECK_THAT(r.output, Contains("shardstep: error: --passes: unknown pass 'autodif' (did you mean 'autodiff'?); known "
-                                "passes: autodiff, data-parallel-lowering, optimizer-lowering, nonfinite-guard, weight-update-sharder, "
+                                "passes: autodiff, mixed-precision, data-parallel-lowering, optimizer-lowering, nonfinite-guard, "
+                                "weight-update-sharder, "
                                 "shard-order-reductions, collective-combiner, elementwise-fuser, all"));
   r = Run("compile --model mlp --hidden 8 --batch 4 --passes=bogus");
   CheckOneLineError(r);

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -1290,4 +1291,180 @@ TEST_CASE("conformance margins", "[.margins]") {
         for (auto& [k, t] : r.ref[rep]) worst = std::max(worst, Compare(t, r.got[rep].at(k), c.tol, ScaleOf(r, rep, k)).worst);
       if (worst > 0) std::printf("%-50s uses %.3g of its tolerance (%s)\n", c.label.c_str(), worst, c.tol.ToString().c_str());
     }
+}
+
+// ---- bf16 (issue 10) ----
+//
+// The same table walk in bf16: every value case with an f32 operand, result or declared leaf becomes
+// a case in which those are bf16 (inputs rounded to nearest even; types re-inferred), and the JIT must
+// match the interpreter, whose rule is the reference: compute in f32, round to bf16. Tolerances, from
+// the f32 ones: exact stays bitwise (both compute the same f32 value and round it the same way); a
+// libm or sum tolerance grows by one bf16 rounding of the result, 2^-7 relative (bf16 has 8
+// significant bits: two f32 results within the f32 bound may straddle a bf16 rounding boundary and
+// round to neighbours one bf16 ulp <= 2^-7 |x| apart).
+namespace {
+
+constexpr double kBf16Eps = 1.0 / 128;
+
+bool TouchesF32(const ir::Module& m, ir::ValueId v) {
+  bool f = m.type(v).dtype == DType::kF32;
+  for (ir::ValueId o : m.at(v).operands) f |= m.type(o).dtype == DType::kF32;
+  return f;
+}
+
+bool TouchesBf16(const ir::Module& m, ir::ValueId v) {
+  bool f = m.type(v).dtype == DType::kBF16;
+  for (ir::ValueId o : m.at(v).operands) f |= m.type(o).dtype == DType::kBF16;
+  return f;
+}
+
+// The bf16 variant of a value case, or nullopt when shape inference refuses it (an op that takes no
+// float operand) or the op's instruction touches no bf16 value.
+std::optional<Case> Bf16Variant(const Case& c) {
+  if (c.expect_error) return std::nullopt;
+  Case b = c;
+  b.label = c.label + " [bf16]";
+  for (ir::ValueId v = 0; v < b.m.size(); ++v) {
+    ir::Instr& in = b.m.at(v);
+    if (ir::HasProperty(in.op, ir::kLeaf)) {
+      if (in.type.dtype == DType::kF32 && in.op != OpCode::kReplicaId) in.type.dtype = DType::kBF16;
+      continue;
+    }
+    std::vector<ir::TensorType> types;
+    for (ir::ValueId o : in.operands) types.push_back(b.m.type(o));
+    try {
+      in.type = ir::InferType(in.op, types, in.attrs, &in.type);
+    } catch (const shardstep::Error&) {
+      return std::nullopt;
+    }
+  }
+  for (TensorMap* map : {&b.inputs, &b.variables})
+    for (auto& [name, t] : *map)
+      if (t.dtype() == DType::kF32) t = t.AsFloat(DType::kBF16);
+  if (!TouchesBf16(b.m, b.m.outputs.at(0).second)) return std::nullopt;
+  if (c.tol.kind != Tolerance::Kind::kExact) b.tol.rtol += kBf16Eps;
+  return b;
+}
+
+// bf16 tensors of a result map as f32 (exactly), for Compare.
+TensorMap Widened(const TensorMap& m) {
+  TensorMap out;
+  for (const auto& [k, t] : m) out[k] = t.dtype() == DType::kBF16 ? t.AsFloat(DType::kF32) : t;
+  return out;
+}
+
+// Both backends on the bf16 case; the sum|terms| scale from the f32 case on the same (rounded) values.
+Results RunBf16Case(const Case& f32_case, const Case& b) {
+  Results r;
+  for (const TensorMap& t : RunNamed(b, false)) r.ref.push_back(Widened(t));
+  for (const TensorMap& t : RunNamed(b, true)) r.got.push_back(Widened(t));
+  if (b.tol.kind == Tolerance::Kind::kSum) {
+    Case scale_case = f32_case;
+    for (auto& [name, t] : scale_case.inputs)
+      if (t.dtype() == DType::kF32) t = t.AsFloat(DType::kBF16).AsFloat(DType::kF32);
+    for (const TensorMap& t : RunNamed(scale_case, false, /*abs_inputs=*/true)) r.scale.push_back(t);
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("bf16: every float op of the table runs on the JIT in bf16 and matches the interpreter",
+          "[jit][conformance][bf16]") {
+  int variants = 0, fused = 0;
+  for (int i = 0; i < ir::kNumOpCodes; ++i) {
+    const OpCode op = static_cast<OpCode>(i);
+    INFO("op " << ir::OpName(op));
+    bool float_op = false, ran = false;
+    for (const Case& c : Cases(op)) {
+      if (c.expect_error) continue;
+      const ir::ValueId out = c.m.outputs.at(0).second;
+      float_op |= TouchesF32(c.m, out) && op != OpCode::kOneHot && op != OpCode::kRandomUniform;
+      const std::optional<Case> b = Bf16Variant(c);
+      if (!b) continue;
+      ran = true;
+      ++variants;
+      if (jit::LoweringOf(b->m, out) == jit::Lowering::kFused) ++fused;
+      DYNAMIC_SECTION(b->label) {
+        const Results r = RunBf16Case(c, *b);
+        for (size_t rep = 0; rep < r.ref.size(); ++rep) {
+          REQUIRE(r.ref[rep].size() == r.got[rep].size());
+          for (auto& [k, t] : r.ref[rep]) {
+            const Verdict v = Compare(t, r.got[rep].at(k), b->tol, r.scale.empty() ? nullptr : &r.scale[rep].at(k));
+            INFO(b->label << " replica " << rep << " " << k << " (" << b->tol.ToString() << ")\n" << v.message);
+            CHECK(v.ok);
+          }
+        }
+      }
+    }
+    // one_hot and random_uniform produce f32 from s32 operands only: nothing to make bf16.
+    if (float_op) CHECK(ran);
+  }
+  CHECK(variants > 60);
+  CHECK(fused > 25);
+}
+
+TEST_CASE("bf16: the JIT's fused loops round like the interpreter (ties, overflow, NaN, subnormals)", "[jit][bf16]") {
+  // x * 1 in bf16 from f32 inputs: convert(f32 -> bf16) is the rounding itself, then a bf16 op.
+  const uint32_t bits[] = {0x3f808000u,  // 1 + 2^-8: a tie, rounds to even (1.0)
+                           0x3f818000u,  // 1 + 3 * 2^-8: a tie, rounds to even (up)
+                           0x3f808001u,  // just above the tie: up
+                           0x7f7fffffu,  // FLT_MAX: rounds to +inf
+                           0xff7f8000u,  // -(largest bf16 + half ulp): a tie to even -> -inf
+                           0x7fc00001u,  // NaN stays NaN
+                           0x7f800001u,  // signalling NaN: quiet NaN, not inf
+                           0x00000001u,  // smallest subnormal: rounds to +0
+                           0x00018000u,  // subnormal tie: to even (up, since 0x0001 is odd)
+                           0x80000000u}; // -0 stays -0
+  std::vector<float> xs;
+  for (uint32_t u : bits) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    xs.push_back(f);
+  }
+  const int64_t n = static_cast<int64_t>(xs.size());
+  ir::Module m;
+  ir::Builder b(&m);
+  const ir::ValueId x = b.Input("x", {DType::kF32, {n}});
+  const ir::ValueId h = b.Convert(x, DType::kBF16);
+  const ir::ValueId y = b.Mul(h, b.Constant(1, {DType::kBF16, {n}}));
+  m.outputs.push_back({"y", y});
+  m.outputs.push_back({"back", b.Convert(y, DType::kF32)});
+  TensorMap vars, inputs{{"x", Tensor::F32({n}, xs)}};
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
+  CHECK(jit::LoweringOf(m, y) == jit::Lowering::kFused);
+  REQUIRE(ref.at("y").dtype() == DType::kBF16);
+  for (int64_t i = 0; i < n; ++i) {
+    INFO("element " << i << " bits 0x" << std::hex << bits[i]);
+    CHECK(ref.at("y").bf16[i] == F32ToBf16(xs[i]));
+    CHECK(got.at("y").bf16[i] == ref.at("y").bf16[i]);
+    CHECK(conformance::Bits(got.at("back").f32[i]) == conformance::Bits(ref.at("back").f32[i]));
+  }
+  const std::vector<uint16_t> want = {0x3f80, 0x3f82, 0x3f81, 0x7f80, 0xff80, 0x7fc0, 0x7fc0, 0x0000, 0x0002, 0x8000};
+  CHECK(ref.at("y").bf16 == want);
+}
+
+TEST_CASE("bf16 mutation check: one bf16 ulp off in an exact fused case fails and is named", "[jit][bf16][mutation]") {
+  int checked = 0;
+  for (OpCode op : {OpCode::kAdd, OpCode::kMul, OpCode::kRelu, OpCode::kConvert}) {
+    for (const Case& c : Cases(op)) {
+      const std::optional<Case> b = Bf16Variant(c);
+      if (!b || b->tol.kind != Tolerance::Kind::kExact || b->m.num_replicas > 1) continue;
+      const ir::ValueId out = b->m.outputs.at(0).second;
+      if (b->m.type(out).dtype != DType::kBF16 || b->m.type(out).elements() < 2) continue;
+      TensorMap vars = b->variables;
+      TensorMap got = JitStep(b->m, vars, b->inputs);
+      const std::string k = b->m.outputs.at(0).first;
+      Tensor& t = got.at(k);
+      t.bf16[1] = static_cast<uint16_t>(t.bf16[1] + 1);  // the next bf16 away from zero
+      TensorMap vars2 = b->variables;
+      const TensorMap ref = RunStep(b->m, vars2, b->inputs);
+      const Verdict v = Compare(Widened(ref).at(k), Widened(got).at(k), b->tol);
+      INFO(b->label << "\n" << v.message);
+      CHECK_FALSE(v.ok);
+      CHECK(v.first_bad == 1);
+      ++checked;
+    }
+  }
+  CHECK(checked >= 4);
 }

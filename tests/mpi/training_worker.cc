@@ -8,6 +8,8 @@
 // writes the gathered logical state after the last step. Rank 0 prints "loss <step> <value>" for every step.
 // With --fail-*, rank R throws (caught: MpiCollectives::Abort names the rank and ends the job) or is killed
 // (SIGKILL: mpirun notices and ends the job) before its step S; the test checks that every rank is gone soon.
+// --replicas-per-process T: T replica threads per rank (runtime::MpiExecutor over HybridCollectives) against the
+// in-process run with K*T replicas (tests/mpi/mpi_hybrid_test.cc).
 #include <chrono>
 #include <csignal>
 #include <thread>
@@ -24,16 +26,56 @@
 #include "runtime/checkpoint.h"
 #include "runtime/dataset.h"
 #include "runtime/mpi/distributed_state.h"
+#include "runtime/mpi/hybrid_collectives.h"
+#include "runtime/mpi/mpi_executor.h"
 #include "runtime/mpi/mpi_collectives.h"
 #include "runtime/sharding.h"
 
 using namespace shardstep;
 using runtime::TensorMap;
 
+namespace {
+
+// --replicas-per-process T: K ranks x T replica threads (runtime::MpiExecutor over HybridCollectives) against
+// the in-process run with K*T replicas: every step's averaged loss and every variable, bit for bit.
+int RunHybrid(const dsl::Program& p, const TensorMap& init, const std::vector<TensorMap>& batches, int T,
+              double timeout, const std::string& what) {
+  runtime::HybridCollectives hc(T, timeout);
+  const int K = hc.ranks(), me = hc.rank();
+  runtime::MpiExecutor exec(p.step, init, hc);
+  std::vector<float> losses;
+  for (const TensorMap& b : batches) losses.push_back(exec.Step(b).at("loss").f32[0]);
+  const TensorMap gathered = exec.LogicalState();
+  if (me != 0) return 0;
+  int bad = 0;
+  auto ref = jit::MakeCpuExecutor(p.step, init);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const float want = ref->Step(batches[i]).at("loss").f32[0];
+    if (std::memcmp(&want, &losses[i], 4) != 0) {
+      std::fprintf(stderr, "step %zu: loss %.9g over MPI, %.9g in process\n", i + 1, losses[i], want);
+      ++bad;
+    }
+  }
+  for (const auto& [name, t] : ref->LogicalState()) {
+    const auto g = gathered.find(name);
+    if (g == gathered.end() || !(g->second == t)) {
+      std::fprintf(stderr, "variable %s differs from the in-process run\n", name.c_str());
+      ++bad;
+    }
+  }
+  std::printf("%s: %d ranks x %d replicas, %s, %zu steps, %zu variables, final loss %.6f, %lld bytes sent by rank 0\n",
+              bad ? "MISMATCH" : "bitwise equal to in-process", K, T, what.c_str(), batches.size(), gathered.size(),
+              losses.back(), static_cast<long long>(hc.bytes_sent()));
+  std::fflush(stdout);
+  return bad ? 1 : 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   runtime::MpiSession session(&argc, &argv);
   std::string model = "mlp", optimizer = "adam", shard = "off", fail_how = "throw";
-  int steps = 20, fail_rank = -1, fail_step = -1, first_step = 0;
+  int steps = 20, fail_rank = -1, fail_step = -1, first_step = 0, per_process = 0;
   double timeout = 0;
   std::string load, save;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -49,13 +91,13 @@ int main(int argc, char** argv) {
     else if (k == "--collective-timeout") timeout = std::stod(v);
     else if (k == "--load") load = v;
     else if (k == "--save") save = v;
+    else if (k == "--replicas-per-process") per_process = std::stoi(v);
     else {
       std::fprintf(stderr, "training_worker: unknown flag %s\n", k.c_str());
       return 2;
     }
   }
-  runtime::MpiCollectives mpi(timeout);
-  const int K = session.size(), me = session.rank();
+  const int K = session.size() * std::max(per_process, 1), me = session.rank();
   constexpr int64_t kBatch = 48;  // divisible by 2, 3 and 4
 
   dsl::Model m(model, /*seed=*/5);
@@ -84,6 +126,9 @@ int main(int argc, char** argv) {
     runtime::CheckCheckpointMatches(loaded, expected, load);
     init = std::move(loaded);
   }
+  if (per_process > 0)
+    return RunHybrid(p, init, batches, per_process, timeout, Str(model, ", ", optimizer, ", shard ", shard));
+  runtime::MpiCollectives mpi(timeout);
   jit::ConfigureThreadsForReplica(1);
   auto step = jit::CompiledStep::Compile(p.step);
   jit::Workspace ws;

@@ -1,0 +1,72 @@
+// mlperf_bert: a small BERT pre-trained on the King James Bible (word level: masked LM and next-sentence
+// prediction, runtime/text_data.h) to a masked-token accuracy target on the held-out books. Stands in for
+// MLPerf's BERT (submission_benchmark "bert", open division). The recipe is MLPerf BERT's shape (LAMB,
+// warm-up then polynomial decay, 15% of the positions predicted) at a size this 2-core machine trains in
+// tens of minutes: 2 layers of width 128, context 64, a 4096-word vocabulary.
+// The target, 0.18 masked-token accuracy on the held-out books (all 30 batches, 960 sentence pairs), comes
+// from a measured run of this recipe's first 1500 steps (seed 0, 1 replica, 2026-12-01): 0.0908 at step 250,
+// 0.1227 at 500, 0.1413 at 750, 0.1505 at 1000, 0.1613 at 1250, 0.1943 at 1500 (43 min on a busy machine).
+// 0.18 is first passed at the step-1500 evaluation, half the 3000-step budget: room for other seeds and
+// replica counts. (The curve was still rising; a full 3000-step run was not measured.)
+//   mlperf_bert --replicas 8 --shard-weight-update on --log bert.log
+#include "bench/mlperf/mlperf_common.h"
+#include "runtime/text_data.h"
+
+using namespace shardstep;
+
+namespace {
+
+mlperf::Setup SetupBert(const mlperf::Flags& f, uint64_t seed, const ir::OptimizerConfig& optimizer) {
+  mlperf::Setup s;
+  s.batch = f.smoke ? 8 : 32;
+  runtime::TextDataOptions to;
+  to.file = f.data;
+  to.context = f.smoke ? 32 : 64;
+  to.batch = s.batch;
+  to.eval_batch = s.batch;
+  to.seed = seed;
+  to.vocab_size = f.smoke ? 512 : 4096;
+  to.max_eval_batches = f.eval_batches;
+  runtime::TextData data = runtime::MakeMaskedLmData(to);
+  s.train = std::move(data.train);
+  s.eval = std::move(data.eval);
+  s.train_samples = s.train->batches_per_epoch() * s.batch;
+  s.eval_samples = s.eval->num_batches() * s.batch;
+  s.data_name = s.train->Describe() + " / " + s.eval->Describe();
+
+  s.model = std::make_unique<dsl::Model>("mlperf_bert", seed);
+  models::ModelOptions mo;
+  mo.batch = s.batch;
+  mo.size = "small";
+  mo.vocab = data.vocab;
+  mo.context = to.context;
+  mo.layers = f.smoke ? 1 : 2;
+  mo.width = f.smoke ? 32 : 128;
+  mo.heads = 2;
+  mo.mlp_width = 4 * mo.width;
+  mo.dropout = 0.1;
+  dsl::Tensor loss = models::FindModel("bert").define(*s.model, mo);
+  s.program = s.model->train(loss)
+                  .optimizer(optimizer)
+                  .replicas(f.replicas)
+                  .shard_weight_update(f.shard_weight_update)
+                  .build();
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  mlperf::Benchmark b;
+  b.name = "mlperf_bert";
+  b.mlperf_name = "bert";
+  b.description = "small BERT masked LM on the King James Bible to a masked-token accuracy target on held-out books";
+  b.task = models::Task::kMaskedLm;
+  b.target = 0.18;
+  b.max_steps = 3000;
+  b.eval_every = 250;
+  b.eval_batches = 0;  // the whole held-out split
+  b.optimizer = dsl::Lamb().lr(0.004).weight_decay(0.01).warmup(200).polynomial_decay(3000, 1.0, 0.0);
+  b.setup = SetupBert;
+  return mlperf::Main(b, argc, argv);
+}

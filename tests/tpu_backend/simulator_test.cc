@@ -1,0 +1,182 @@
+// The step-time simulator (tpu_backend/simulator.h): its collective times are the closed-form α–β
+// costs of the 2D-torus algorithm for the same hardware table, sharding's simulated speedup grows as the
+// per-core batch shrinks and as the mesh grows, sharded optimizer state is 1/N per core (+ padding),
+// the JSON has its keys, and bad input is an error naming the flag or the file and line.
+#include "tpu_backend/simulator.h"
+
+#include <catch2/catch.hpp>
+#include <filesystem>
+#include <fstream>
+
+#include "dsl/dsl.h"
+#include "ir/error.h"
+#include "ir/passes/pipeline.h"
+#include "models/models.h"
+
+using namespace shardstep;
+using namespace shardstep::tpu;
+
+namespace {
+
+// The step `train` runs per replica: the model lowered for `replicas`, every pass run.
+ir::Module Step(const std::string& model, int replicas, int64_t per_core_batch, bool sharded, ir::OptimizerKind opt) {
+  models::ModelOptions o;
+  o.batch = per_core_batch * replicas;
+  o.hidden = {1024, 1024};
+  dsl::Model m(model, 0);
+  m.train(models::FindModel(model).define(m, o));
+  ir::Module step = m.lower(replicas, dsl::Mode::kTrain);
+  ir::PipelineOptions po;
+  po.optimizer = ir::OptimizerConfig().kind(opt).lr(0.01);
+  po.replicas = replicas;
+  po.shard_weight_update = sharded;
+  ir::BuildTrainingPipeline(po).Run(step);
+  return step;
+}
+
+// The closed form of one phase of a whole-mesh collective: p - 1 steps; each moves a chunk of c floats per
+// member, half in each ring direction. Inter-chip: the two halves take two links (distinct cables even
+// for p = 2), and the rings of a chip's 2 cores share them, so a step lasts α + 2·ceil(c/2)·4/β. On chip
+// (2 cores): both halves go to the one other core, α + c·4/β.
+double Phase(int p, int64_t c, const LinkModel& link, bool on_chip) {
+  if (p < 2) return 0;
+  const double bytes = on_chip && p == 2 ? 4.0 * c : 2 * 4.0 * ((c + 1) / 2);
+  return (p - 1) * (link.latency_s + bytes / link.bytes_per_s);
+}
+
+// Reduce-scatter (or all-gather) of shard s over all X*Y*2 replicas: cores of a chip, then X, then Y.
+double MeshCollective(int x, int y, int64_t s, const HardwareTable& hw) {
+  const int64_t n = 2LL * x * y;
+  return Phase(2, n * s / 2, hw.on_chip, true) + Phase(x, n * s / (2 * x), hw.link, false) +
+         Phase(y, s, hw.link, false);
+}
+
+double ClosedForm(ir::OpCode op, int x, int y, int64_t elements, const HardwareTable& hw) {
+  const int64_t n = 2LL * x * y;
+  if (op == ir::OpCode::kAllGather) return MeshCollective(x, y, elements, hw);
+  const int64_t shard = (elements + n - 1) / n;
+  return MeshCollective(x, y, shard, hw) * (op == ir::OpCode::kAllReduce ? 2 : 1);
+}
+
+}  // namespace
+
+TEST_CASE("collective times are the closed-form alpha-beta costs of the 2D-torus algorithm") {
+  const HardwareTable hw = FindHardwareTable("tpu-v3");
+  for (auto [x, y] : {std::pair{1, 1}, {2, 1}, {4, 2}, {3, 5}})
+    for (ir::OpCode op : {ir::OpCode::kReduceScatter, ir::OpCode::kAllGather, ir::OpCode::kAllReduce})
+      for (int64_t e :
+           {int64_t{1}, int64_t{2} * x * y * 5, int64_t{1000003}, int64_t{2} * x * y * 777, int64_t{2} * x * y * 778}) {
+        const MeshTopology mesh(x, y);
+        INFO(mesh.ToString() << " " << ir::OpName(op) << " of " << e);
+        const int64_t elements =
+            op == ir::OpCode::kReduceScatter ? (e + mesh.replicas() - 1) / mesh.replicas() * mesh.replicas() : e;
+        CHECK(CollectiveTime(mesh, hw, op, elements).seconds ==
+              Approx(ClosedForm(op, x, y, elements, hw)).epsilon(1e-9));
+      }
+  // A whole step: the interconnect's busy time is the sum of its collectives' closed forms.
+  const MeshTopology mesh(2, 2);
+  const ir::Module step = Step("mlp", mesh.replicas(), 4, true, ir::OptimizerKind::kAdam);
+  double expected = 0;
+  int collectives = 0;
+  for (const ir::Instr& in : step.instrs)
+    if (ir::HasProperty(in.op, ir::kCollective))
+      expected += ClosedForm(in.op, 2, 2, step.type(in.operands[0]).elements(), hw), ++collectives;
+  const SimulationResult r = Simulate(step, mesh, hw, Precision::kBf16);
+  CHECK(collectives >= 2);
+  CHECK(r.collectives == collectives);
+  CHECK(r.collective_s == Approx(expected).epsilon(1e-9));
+  CHECK(r.reduce_scatter_s + r.all_reduce_s + r.all_gather_s == Approx(r.collective_s));
+  CHECK(r.compute_s == Approx(r.forward_s + r.backward_s + r.weight_update_s));
+  // Two streams: the step is at least each stream's busy time and at most their sum.
+  CHECK(r.step_s >= r.compute_s * (1 - 1e-12));
+  CHECK(r.step_s >= r.collective_s * (1 - 1e-12));
+  CHECK(r.step_s <= (r.compute_s + r.collective_s) * (1 + 1e-12));
+  CHECK(r.exposed_communication_s == Approx(r.step_s - r.compute_s));
+  CHECK(r.forward_s > 0);
+  CHECK(r.backward_s > r.forward_s);  // two matmuls per forward one
+}
+
+TEST_CASE("sharding's simulated speedup grows as the per-core batch shrinks and the mesh grows") {
+  const HardwareTable hw = FindHardwareTable("tpu-v3");
+  auto speedup = [&](int x, int y, int64_t batch) {
+    const MeshTopology mesh(x, y);
+    const SimulationResult replicated =
+        Simulate(Step("mlp", mesh.replicas(), batch, false, ir::OptimizerKind::kLamb), mesh, hw, Precision::kBf16);
+    const SimulationResult sharded =
+        Simulate(Step("mlp", mesh.replicas(), batch, true, ir::OptimizerKind::kLamb), mesh, hw, Precision::kBf16);
+    CHECK(sharded.weight_update_s < replicated.weight_update_s);
+    return replicated.step_s / sharded.step_s;
+  };
+  const double small_batch = speedup(2, 2, 2), large_batch = speedup(2, 2, 64), large_mesh = speedup(4, 4, 2);
+  CHECK(small_batch > 1);
+  CHECK(small_batch > large_batch);
+  CHECK(large_mesh > small_batch);
+}
+
+TEST_CASE("sharded optimizer state per core is 1/N of replicated, plus padding") {
+  const HardwareTable hw = FindHardwareTable("tpu-v3");
+  const MeshTopology mesh(2, 2);
+  const int n = mesh.replicas();
+  const ir::Module replicated_step = Step("mlp", n, 4, false, ir::OptimizerKind::kAdam);
+  const SimulationResult replicated = Simulate(replicated_step, mesh, hw, Precision::kBf16);
+  const SimulationResult sharded =
+      Simulate(Step("mlp", n, 4, true, ir::OptimizerKind::kAdam), mesh, hw, Precision::kBf16);
+  // Padding: at most one dim-0 row per state variable (N - 1 padded rows over N shards); the s32 step
+  // counter stays whole.
+  int64_t padding = 0;
+  for (ir::ValueId v : replicated_step.VariablesWithRole(ir::kRoleOptimizerState)) {
+    const ir::TensorType& t = replicated_step.type(v);
+    padding += t.rank() == 0 ? t.bytes() : t.bytes() / t.shape[0];
+  }
+  const int64_t counter = 4;
+  CHECK(replicated.optimizer_state_bytes > 1000000);
+  CHECK(sharded.optimizer_state_bytes - counter >= (replicated.optimizer_state_bytes - counter) / n);
+  CHECK(sharded.optimizer_state_bytes - counter <= (replicated.optimizer_state_bytes - counter) / n + padding);
+  CHECK(sharded.weight_bytes == replicated.weight_bytes);  // gathered at the end of the step: stored whole
+  CHECK(sharded.gradient_bytes > 0);
+  CHECK(sharded.activation_bytes == replicated.activation_bytes);
+  const std::string json = sharded.ToJson();
+  for (const char* key : {"\"step_ms\":", "\"forward_ms\":", "\"backward_ms\":", "\"weight_update_ms\":",
+                          "\"collective_ms\":", "\"exposed_communication_ms\":", "\"memory_bytes\":{", "\"weights\":",
+                          "\"gradients\":", "\"optimizer_state\":", "\"activations\":", "\"link_traffic_bytes\":{"})
+    CHECK(json.find(key) != std::string::npos);
+  CHECK(json.find("\"optimizer_state\":" + std::to_string(sharded.optimizer_state_bytes)) != std::string::npos);
+}
+
+TEST_CASE("bad simulator input is an error naming the flag or the file and line") {
+  const HardwareTable hw = FindHardwareTable("tpu-v3");
+  const ir::Module step = Step("mlp", 8, 2, true, ir::OptimizerKind::kSgd);
+  CHECK_THROWS_WITH(
+      Simulate(step, MeshTopology(4, 4), hw, Precision::kBf16),
+      Catch::Contains("--mesh: the 4x4 chips, 2 cores each (32 replicas) mesh has 32 cores but the step is "
+                      "lowered for 8 replicas"));
+  CHECK_THROWS_WITH(MeshTopology::Parse("4by4"), Catch::Contains("--mesh"));
+  CHECK_THROWS_WITH(FindHardwareTable("tpu-v9", "--hardware"),
+                    Catch::Contains("--hardware: unknown hardware table 'tpu-v9'"));
+  // The simulator's own numbers are checked like the others: missing, or non-positive at its line.
+  const auto dir = std::filesystem::temp_directory_path() / "shardstep_simulator_test";
+  std::filesystem::create_directories(dir);
+  std::ifstream in(std::string(SS_SOURCE_DIR) + "/tpu_backend/hardware/tpu-v3.toml");
+  const std::string good((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const size_t at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at, from.size(), to);
+    const std::string path = (dir / "bad.toml").string();
+    std::ofstream(path) << text;
+    return path;
+  };
+  CHECK_THROWS_WITH(ReadHardwareTable(with("vpu_lanes = 128", "")), Catch::Contains("missing 'vpu_lanes' in [chip]"));
+  int line = 0;
+  {
+    std::ifstream f(std::string(SS_SOURCE_DIR) + "/tpu_backend/hardware/tpu-v3.toml");
+    int k = 0;
+    for (std::string l; std::getline(f, l);)
+      if (++k, l.rfind("mxu_f32_passes", 0) == 0) line = k;
+  }
+  REQUIRE(line > 0);
+  CHECK_THROWS_WITH(ReadHardwareTable(with("mxu_f32_passes = 6", "mxu_f32_passes = 0")),
+                    Catch::Contains("bad.toml:" + std::to_string(line) + ": mxu_f32_passes must be positive, got 0"));
+  std::filesystem::remove_all(dir);
+}
