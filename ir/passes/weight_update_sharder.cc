@@ -569,6 +569,24 @@ bool WeightUpdateSharder::Run(Module& m) {
   }
   for (auto& [name, out] : m.outputs)
     if (out < n && region[out]) out = rw_at(out).Full(out);
+  // 6. Code outside the region that reads a value of the region reads its rewritten (full) value: the
+  // nonfinite guard's step_finite flag (and its broadcasts, shared by CSE) also gates the model state's
+  // assignments (batch-norm running statistics), and its original computation reads every whole
+  // all-reduced gradient, which would keep alive the all-reduces the reduce-scatters replaced.
+  for (ValueId user = 0; user < n; ++user) {
+    if (region[user]) continue;
+    for (size_t i = 0; i < m.at(user).operands.size(); ++i) {
+      const ValueId o = m.at(user).operands[i];
+      if (o >= n || !region[o]) continue;
+      const Instr in = m.at(o);  // copy: the rewriters append to m.instrs
+      Rewriter& rw = rw_at(o);
+      ValueId full = rw.full_[o];
+      if (full == kNoValue && in.op == OpCode::kBroadcast)  // a broadcast flag: broadcast again, don't gather
+        full = rw.full_[o] = rw.Clone(in, {rw.Full(in.operands[0])});
+      if (full == kNoValue) full = rw.Full(o);
+      m.at(user).operands[i] = full;
+    }
+  }
   m.gradients.clear();
   m.Canonicalize();
   return !(m == before);
