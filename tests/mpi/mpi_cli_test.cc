@@ -4,8 +4,16 @@
 // --replicas-per-process that does not divide a rank's share of the batch, a rank count that does not
 // divide the batch, ranks whose step modules differ) is a clear error from every rank. Starts mpirun itself.
 #include <catch2/catch.hpp>
+#include <signal.h>
 
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "runtime/checkpoint.h"
 #include "runtime/interpreter.h"
@@ -99,4 +107,81 @@ TEST_CASE("mpirun shardstep train: bad layouts and mismatched builds are an erro
   const cli_test::Result r = cli_test::Run(kTrain + "--replicas-per-process 2");
   CHECK(r.status == 1);
   CHECK(r.output.find("--replicas-per-process is for runs under mpirun") != std::string::npos);
+}
+
+namespace {
+
+// The pid of the process of `mpirun` rank `rank` whose command line contains `marker` (-1: none yet).
+int RankPid(int rank, const std::string& marker) {
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    auto read = [&](const char* file) {
+      std::ifstream in(entry.path() / file, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    };
+    const std::string cmdline = read("cmdline"), environ = read("environ");
+    if (cmdline.rfind(cli_test::Binary(), 0) == 0 && cmdline.find(marker) != std::string::npos &&
+        environ.find(std::string("OMPI_COMM_WORLD_RANK=") + std::to_string(rank) + '\0') != std::string::npos)
+      return std::stoi(name);
+  }
+  return -1;
+}
+
+std::vector<std::string> Checkpoints(const std::string& dir) {
+  std::vector<std::string> files;
+  if (!std::filesystem::exists(dir)) return files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("step-", 0) == 0 && f.size() > 12 && f.substr(f.size() - 12) == ".safetensors") files.push_back(e.path());
+  }
+  return files;
+}
+
+}  // namespace
+
+// A rank killed mid-run (SIGKILL, as a lost machine; rank 0 is the one that writes the checkpoints): mpirun and
+// the other rank end non-zero within 10 s, and every periodic checkpoint left in the directory loads with its
+// checksum checked -- a checkpoint is written once, by rank 0, to a temporary file renamed into place, so a
+// kill leaves no partial file under a checkpoint's name.
+TEST_CASE("mpirun shardstep train: a killed rank ends the job within 10 s and the checkpoints stay intact", "[mpi]") {
+  for (int victim : {1, 0}) {
+    INFO("killed rank " << victim);
+    cli_test::TempDir dir("mpi_kill");
+    const std::string ck = dir.path + "/ck", rc_file = dir.path + "/rc";
+    const std::string cmd = "(" + kMpirun + "-np 2 " + cli_test::Binary() + " " +
+                            "train --model mlp --dataset synthetic --hidden 64,32 --batch 32 --steps 10000000 "
+                            "--eval-batch 500 --log-every 100000 --save-every 20 --keep 3 --checkpoint-dir " + ck +
+                            "; echo $? > " + rc_file + ") > " + dir.path + "/out.txt 2>&1 &";
+    REQUIRE(std::system(cmd.c_str()) == 0);
+    auto now = [] { return std::chrono::steady_clock::now(); };
+    auto seconds_since = [&](auto t) { return std::chrono::duration<double>(now() - t).count(); };
+    const auto start = now();
+    while (Checkpoints(ck).size() < 2 && seconds_since(start) < 50)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    REQUIRE(Checkpoints(ck).size() >= 2);
+    const int pid = RankPid(victim, ck);
+    REQUIRE(pid > 0);
+    REQUIRE(::kill(pid, SIGKILL) == 0);
+    const auto killed = now();
+    while (!std::filesystem::exists(rc_file) && seconds_since(killed) < 30)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    const double took = seconds_since(killed);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the rc file's contents
+    std::ifstream rc_in(rc_file), out_in(dir.path + "/out.txt");
+    int rc = -1;
+    rc_in >> rc;
+    const std::string out((std::istreambuf_iterator<char>(out_in)), {});
+    INFO(out);
+    CHECK(took < 10);
+    CHECK(rc != 0);
+    CHECK(rc != 124);  // mpirun ended it, not the timeout
+    CHECK(RankPid(1 - victim, ck) == -1);  // the other rank is gone too
+    const std::vector<std::string> left = Checkpoints(ck);
+    CHECK(!left.empty());
+    for (const std::string& f : left) {
+      INFO(f);
+      CHECK_NOTHROW(shardstep::runtime::LoadCheckpoint(f));
+    }
+  }
 }
