@@ -2,6 +2,8 @@
 BUILD ?= build
 BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
+# ccache keys on paths relative to the checkout, so every clone and build directory shares one cache.
+export CCACHE_BASEDIR := $(CURDIR)
 
 .PHONY: setup configure build train test sanitize fuzz clean
 

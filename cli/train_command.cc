@@ -30,6 +30,7 @@
 #include "runtime/sharding.h"
 #include "runtime/image_data.h"
 #include "runtime/mllog.h"
+#include "runtime/stop_signal.h"
 #include "runtime/text_data.h"
 #include "runtime/trainer.h"
 #include "tpu_backend/mesh_backend.h"
@@ -470,6 +471,10 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
     ml->init_open = false;
     ml->run_started = true;  // runtime::Train logs the run, and its run_stop also when it throws
     o.mllog = ml->log;
+    // A logged run stopped by SIGTERM/SIGINT ends between steps with run_stop "aborted" (a second signal
+    // kills at once); without --mllog the default actions stay.
+    runtime::InstallStopSignalHandlers();
+    o.stop_requested = runtime::StopSignalReceived;
   }
   runtime::TrainResult r = runtime::Train(session, *train_source, eval_set.get(), task, o, std::cout);
   if (r.skipped_steps) std::cout << "skipped " << r.skipped_steps << " step(s) with non-finite values\n";

@@ -34,12 +34,23 @@ if(TARGET shardstep)  # the command-line tool
   install(TARGETS shardstep RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 # The headers of the libraries above (not runtime/mpi: MPI is not in the package), and the op table the
-# IR headers include. (The tpu-mesh backend's hardware tables stay where ss_tpu was built to read them.)
+# IR headers include. (The hardware tables are data: share/shardstep/hardware, below.)
 install(DIRECTORY ${CMAKE_SOURCE_DIR}/shardstep ${CMAKE_SOURCE_DIR}/api ${CMAKE_SOURCE_DIR}/dsl
                   ${CMAKE_SOURCE_DIR}/ir ${CMAKE_SOURCE_DIR}/models ${CMAKE_SOURCE_DIR}/runtime ${CMAKE_SOURCE_DIR}/jit
                   ${CMAKE_SOURCE_DIR}/tpu_backend
         DESTINATION ${SS_INSTALL_INCLUDEDIR}
         FILES_MATCHING PATTERN "*.h" PATTERN "*.def" PATTERN "mpi" EXCLUDE PATTERN "hardware" EXCLUDE)
+# The tpu-mesh backend's hardware tables (tpu_backend/hardware_dirs.h has the lookup): installed under
+# <prefix>/share/shardstep/hardware, found from an installed program as <its bin dir>/../share/shardstep/hardware,
+# else from the source tree (a build tree), else from the prefix configured here (an installed library whose
+# source tree is gone), or wherever $SHARDSTEP_HARDWARE_DIR says.
+set(SS_INSTALL_HARDWARE_DIR ${CMAKE_INSTALL_DATADIR}/shardstep/hardware)
+install(DIRECTORY ${CMAKE_SOURCE_DIR}/tpu_backend/hardware/ DESTINATION ${SS_INSTALL_HARDWARE_DIR}
+        FILES_MATCHING PATTERN "*.toml")
+file(RELATIVE_PATH ss_hardware_from_bin /ss_prefix/${CMAKE_INSTALL_BINDIR} /ss_prefix/${SS_INSTALL_HARDWARE_DIR})
+target_compile_definitions(ss_tpu PRIVATE SHARDSTEP_HARDWARE_DIR_FROM_BIN="${ss_hardware_from_bin}"
+                           SHARDSTEP_INSTALL_HARDWARE_DIR="${CMAKE_INSTALL_PREFIX}/${SS_INSTALL_HARDWARE_DIR}")
+
 install(EXPORT shardstepTargets NAMESPACE shardstep:: DESTINATION ${SS_INSTALL_CMAKEDIR})
 
 # Where this build found the dependencies: the config file looks there first.
@@ -53,7 +64,8 @@ if(SS_BACKENDS)
 endif()
 configure_package_config_file(${CMAKE_SOURCE_DIR}/cmake/shardstepConfig.cmake.in
                               ${CMAKE_BINARY_DIR}/package/shardstepConfig.cmake
-                              INSTALL_DESTINATION ${SS_INSTALL_CMAKEDIR})
+                              INSTALL_DESTINATION ${SS_INSTALL_CMAKEDIR}
+                              PATH_VARS SS_INSTALL_HARDWARE_DIR)
 write_basic_package_version_file(${CMAKE_BINARY_DIR}/package/shardstepConfigVersion.cmake
                                  VERSION 0.1.0 COMPATIBILITY SameMinorVersion)
 install(FILES ${CMAKE_BINARY_DIR}/package/shardstepConfig.cmake ${CMAKE_BINARY_DIR}/package/shardstepConfigVersion.cmake

@@ -18,6 +18,7 @@
 #include "runtime/checkpoint_dir.h"
 #include "runtime/image_data.h"
 #include "runtime/metrics_file.h"
+#include "runtime/stop_signal.h"
 
 namespace shardstep::runtime {
 namespace {
@@ -310,6 +311,8 @@ TrainResult Train(Trainable& model, BatchSource& train_source, const EvalSet* te
   try {
   block_start(o.start_step);
   for (int64_t step = o.start_step + 1; step <= o.steps; ++step) {
+    if (const int sig = o.stop_requested ? o.stop_requested() : 0)  // between steps (a signal handler set a flag)
+      throw Error(Str("stopped by ", SignalName(sig), " after step ", step - 1));
     const auto d0 = Clock::now();
     it.Next(&in);  // with prefetching: waits only for what the previous step did not hide
     const double data_ms = Seconds(d0, Clock::now()) * 1e3;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <map>
 #include <string>
@@ -72,6 +73,10 @@ struct TrainOptions {
   // status success, or aborted with the error when the run throws (then the error is rethrown). The
   // caller logs the submission keys and the init interval before.
   MlLog* mllog = nullptr;
+  // Asked before every step (null: never). A non-zero answer (a signal number: runtime/stop_signal.h's
+  // StopSignalReceived) ends the run with shardstep::Error "stopped by SIGTERM after step N" — with the
+  // MLPerf log, run_stop aborted with that reason. Nothing is saved.
+  std::function<int()> stop_requested;
 };
 
 struct TrainResult {

@@ -1,8 +1,12 @@
 #include "tpu_backend/hardware.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <system_error>
+
+#include "tpu_backend/hardware_dirs.h"
 
 #include "ir/error.h"
 #include "runtime/toml_subset.h"
@@ -95,9 +99,48 @@ HardwareTable ReadHardwareTable(const std::string& path) {
   return t;
 }
 
+namespace {
+
+bool HoldsTables(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
+    if (entry.path().extension() == ".toml") return true;
+  return false;
+}
+
+}  // namespace
+
+std::vector<std::string> HardwareTableSearchPath() {
+  std::vector<std::string> dirs;
+  if (const char* env = std::getenv("SHARDSTEP_HARDWARE_DIR"); env && *env) dirs.push_back(env);
+#ifdef SHARDSTEP_HARDWARE_DIR_FROM_BIN
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) dirs.push_back((exe.parent_path() / SHARDSTEP_HARDWARE_DIR_FROM_BIN).lexically_normal().string());
+#endif
+  dirs.push_back(SHARDSTEP_HARDWARE_DIR);
+#ifdef SHARDSTEP_INSTALL_HARDWARE_DIR
+  dirs.push_back(SHARDSTEP_INSTALL_HARDWARE_DIR);
+#endif
+  return dirs;
+}
+
+std::string HardwareTableDir() {
+  const std::vector<std::string> dirs = HardwareTableSearchPath();
+  const char* env = std::getenv("SHARDSTEP_HARDWARE_DIR");
+  if (env && *env && !HoldsTables(env))  // an explicit choice is not silently passed over
+    throw Error(Str("SHARDSTEP_HARDWARE_DIR=", env, " holds no hardware table (*.toml)"));
+  for (const std::string& d : dirs)
+    if (HoldsTables(d)) return d;
+  std::string looked;
+  for (const std::string& d : dirs) looked += (looked.empty() ? "" : ", ") + d;
+  throw Error(Str("no hardware tables (*.toml) found; looked in ", looked, " (set SHARDSTEP_HARDWARE_DIR)"));
+}
+
 std::vector<std::string> HardwareTableNames() {
   std::vector<std::string> names;
-  for (const auto& entry : std::filesystem::directory_iterator(SHARDSTEP_HARDWARE_DIR))
+  for (const auto& entry : std::filesystem::directory_iterator(HardwareTableDir()))
     if (entry.path().extension() == ".toml") names.push_back(entry.path().stem().string());
   std::sort(names.begin(), names.end());
   return names;
@@ -108,9 +151,9 @@ HardwareTable FindHardwareTable(const std::string& name, const std::string& flag
   if (std::find(names.begin(), names.end(), name) == names.end()) {
     std::string known;
     for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-    throw Error(Str(flag, ": unknown hardware table '", name, "'; known: ", known));
+    throw Error(Str(flag, ": unknown hardware table '", name, "'; known: ", known, " (in ", HardwareTableDir(), ")"));
   }
-  return ReadHardwareTable(std::string(SHARDSTEP_HARDWARE_DIR) + "/" + name + ".toml");
+  return ReadHardwareTable(HardwareTableDir() + "/" + name + ".toml");
 }
 
 }  // namespace shardstep::tpu

@@ -16,18 +16,39 @@ using namespace shardstep;
 
 namespace {
 
-mlperf::Setup SetupBert(const mlperf::Flags& f, uint64_t seed, const ir::OptimizerConfig& optimizer) {
-  mlperf::Setup s;
-  s.batch = f.smoke ? 8 : 32;
+int64_t Batch(const mlperf::Flags& f) { return f.smoke ? 8 : 32; }
+
+// The model: the built-in bert (models/bert.cc, written with the DSL) at the recipe's size.
+dsl::Tensor DefineBert(dsl::Model& m, const mlperf::Flags& f, int64_t batch, int64_t vocab) {
+  models::ModelOptions mo;
+  mo.batch = batch;
+  mo.size = "small";
+  mo.vocab = vocab;
+  mo.context = f.smoke ? 32 : 64;
+  mo.layers = f.smoke ? 1 : 2;
+  mo.width = f.smoke ? 32 : 128;
+  mo.heads = 2;
+  mo.mlp_width = 4 * mo.width;
+  mo.dropout = 0.1;
+  return models::FindModel("bert").define(m, mo);
+}
+
+runtime::TextDataOptions DataOptions(const mlperf::Flags& f, int64_t batch, uint64_t seed) {
   runtime::TextDataOptions to;
   to.file = f.data;
   to.context = f.smoke ? 32 : 64;
-  to.batch = s.batch;
-  to.eval_batch = s.batch;
+  to.batch = batch;
+  to.eval_batch = batch;
   to.seed = seed;
   to.vocab_size = f.smoke ? 512 : 4096;
   to.max_eval_batches = f.eval_batches;
-  runtime::TextData data = runtime::MakeMaskedLmData(to);
+  return to;
+}
+
+mlperf::Setup SetupBert(const mlperf::Flags& f, uint64_t seed, const ir::OptimizerConfig& optimizer) {
+  mlperf::Setup s;
+  s.batch = Batch(f);
+  runtime::TextData data = runtime::MakeMaskedLmData(DataOptions(f, s.batch, seed));
   s.train = std::move(data.train);
   s.eval = std::move(data.eval);
   s.train_samples = s.train->batches_per_epoch() * s.batch;
@@ -35,17 +56,7 @@ mlperf::Setup SetupBert(const mlperf::Flags& f, uint64_t seed, const ir::Optimiz
   s.data_name = s.train->Describe() + " / " + s.eval->Describe();
 
   s.model = std::make_unique<dsl::Model>("mlperf_bert", seed);
-  models::ModelOptions mo;
-  mo.batch = s.batch;
-  mo.size = "small";
-  mo.vocab = data.vocab;
-  mo.context = to.context;
-  mo.layers = f.smoke ? 1 : 2;
-  mo.width = f.smoke ? 32 : 128;
-  mo.heads = 2;
-  mo.mlp_width = 4 * mo.width;
-  mo.dropout = 0.1;
-  dsl::Tensor loss = models::FindModel("bert").define(*s.model, mo);
+  dsl::Tensor loss = DefineBert(*s.model, f, s.batch, data.vocab);
   s.program = s.model->train(loss)
                   .optimizer(optimizer)
                   .replicas(f.replicas)
@@ -68,5 +79,12 @@ int main(int argc, char** argv) {
   b.eval_batches = 0;  // the whole held-out split
   b.optimizer = dsl::Lamb().lr(0.004).weight_decay(0.01).warmup(200).polynomial_decay(3000, 1.0, 0.0);
   b.setup = SetupBert;
+  b.batch = Batch;
+  b.define = DefineBert;
+  b.vocab = [](const mlperf::Flags& f) {
+    runtime::TextDataOptions to = DataOptions(f, 1, 0);
+    to.max_eval_batches = 1;
+    return runtime::MakeMaskedLmData(to).vocab;
+  };
   return mlperf::Main(b, argc, argv);
 }

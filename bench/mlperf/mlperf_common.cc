@@ -20,7 +20,9 @@
 #include "ir/passes/optimizer_lowering.h"
 #include "ir/passes/weight_update_sharder.h"
 #include "runtime/atomic_file.h"
+#include "bench/mlperf/mlperf_simulate.h"
 #include "runtime/mllog.h"
+#include "runtime/stop_signal.h"
 
 namespace shardstep::mlperf {
 namespace {
@@ -49,6 +51,7 @@ struct RunResult {
   uint64_t seed = 0;
   std::string status = "aborted";  // or "success"
   std::string error;
+  int signal = 0;  // SIGTERM / SIGINT that stopped the run (0: none)
   std::string log_path;
   double seconds = 0;  // run_start to run_stop
   int64_t steps = 0, batch = 0;
@@ -118,6 +121,10 @@ RunResult RunOnce(const Benchmark& b, const Flags& f, uint64_t seed, const std::
   ml.Event(k::kCacheClear, true);
   ml.Start(k::kInitStart);
   bool init_open = true, run_open = false, block_open = false, eval_open = false;
+  // What an aborted run still reports (run_start to run_stop, throughput, step times).
+  Clock::time_point start;
+  double train_seconds = 0;
+  std::vector<double> step_ms, comm_ms;
   try {
     Setup s = b.setup(f, seed, b.optimizer);
     r.batch = s.batch;
@@ -156,9 +163,7 @@ RunResult RunOnce(const Benchmark& b, const Flags& f, uint64_t seed, const std::
 
     ml.Start(k::kRunStart);
     run_open = true;
-    const auto start = Clock::now();
-    double train_seconds = 0;
-    std::vector<double> step_ms, comm_ms;
+    start = Clock::now();
     runtime::PrefetchingSource batches(*s.train);
     runtime::TensorMap in;
     int64_t step = 0;
@@ -172,6 +177,11 @@ RunResult RunOnce(const Benchmark& b, const Flags& f, uint64_t seed, const std::
       block_open = true;
       const int64_t block_end = std::min(budget, step + eval_every);
       while (step < block_end) {
+        // A stop request (SIGTERM, SIGINT) is taken between steps: the handler only set a flag.
+        if (const int sig = runtime::StopSignalReceived()) {
+          r.signal = sig;
+          throw Error(Str("stopped by ", runtime::SignalName(sig), " after step ", step));
+        }
         batches.Next(&in);
         const double comm0 = session.CommunicationSeconds();
         const auto t0 = Clock::now();
@@ -223,6 +233,12 @@ RunResult RunOnce(const Benchmark& b, const Flags& f, uint64_t seed, const std::
   } catch (const std::exception& e) {
     r.error = e.what();
     r.status = "aborted";
+    if (run_open) {
+      r.seconds = Seconds(start, Clock::now());
+      r.examples_per_second = train_seconds > 0 ? r.steps * r.batch / train_seconds : 0;
+      r.median_step_ms = Median(step_ms);
+      r.median_comm_ms = Median(comm_ms);
+    }
     if (eval_open) ml.End(k::kEvalStop, nullptr, {{"step_num", r.steps}});
     if (block_open) ml.End(k::kBlockStop, nullptr, {{"step_num", r.steps}});
     if (init_open) ml.End(k::kInitStop, nullptr, {{"status", "aborted"}});
@@ -372,6 +388,19 @@ int Main(const Benchmark& recipe, int argc, char** argv) {
   app.add_flag("--smoke", f.smoke, "a tiny model of the same recipe, for tests (same log structure)");
   bool no_update_timing = false;
   app.add_flag("--no-update-timing", no_update_timing, "skip timing the weight update alone after the runs");
+  app.add_flag("--simulate", f.simulate,
+               "train nothing: predict the recipe's step time and time to train on a TPU pod slice (--mesh, "
+               "--per-core-batch), weight update sharded and replicated");
+  app.add_option("--mesh", f.mesh, "--simulate: XxY chips on a 2D torus, one replica per core");
+  app.add_option("--per-core-batch", f.per_core_batch, "--simulate: examples per core and step")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--hardware", f.hardware, "--simulate: hardware table, a name or a .toml path")->capture_default_str();
+  app.add_option("--precision", f.precision, "--simulate: matrix-unit precision")
+      ->check(CLI::IsMember({"bf16", "f32"}))
+      ->capture_default_str();
+  app.add_option("--steps-from", f.steps_from,
+                 "--simulate: a <name>_result.json of a real run; its steps to the target (default: the recipe's "
+                 "step budget, an upper bound)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -379,6 +408,19 @@ int Main(const Benchmark& recipe, int argc, char** argv) {
   }
   f.shard_weight_update = shard == "on";
   if (f.lr > 0) b.optimizer.lr(f.lr);
+  if (f.simulate) {
+    try {
+      return RunSimulation(b, f);
+    } catch (const std::exception& e) {
+      std::cerr << b.name << ": " << e.what() << "\n";
+      return 2;
+    }
+  }
+  for (const char* flag : {"--mesh", "--per-core-batch", "--hardware", "--precision", "--steps-from"})
+    if (app.count(flag) > 0) {
+      std::cerr << b.name << ": " << flag << " is a --simulate flag; add --simulate\n";
+      return 2;
+    }
   f.update_timing = !no_update_timing;
   if (f.eval_batches < 0) f.eval_batches = b.eval_batches;
   const double target = f.target != 0 ? f.target : b.target;
@@ -390,8 +432,10 @@ int Main(const Benchmark& recipe, int argc, char** argv) {
     return 2;
   }
 
+  runtime::InstallStopSignalHandlers();  // SIGTERM / SIGINT: the run in progress ends aborted (exit 128 + signal)
   std::vector<RunResult> runs;
-  for (int i = 0; i < f.seeds; ++i) {
+  int stop_signal = 0;
+  for (int i = 0; i < f.seeds && !stop_signal; ++i) {
     runs.push_back(RunOnce(b, f, f.seed + i, LogPathFor(f.log, i, f.seeds)));
     const RunResult& r = runs.back();
     if (r.status == "success")
@@ -400,6 +444,7 @@ int Main(const Benchmark& recipe, int argc, char** argv) {
     else
       std::cout << "run " << i << " (seed " << r.seed << "): aborted: " << r.error << "\n";
     std::cout << std::flush;
+    stop_signal = r.signal ? r.signal : runtime::StopSignalReceived();
   }
 
   // The summary: time to train, steps, throughput, the weight update's share of the step, memory.
@@ -411,7 +456,7 @@ int Main(const Benchmark& recipe, int argc, char** argv) {
   }
   const RunResult& first = runs.front();
   Json update = nullptr;
-  if (f.update_timing && !first.weights.empty()) {
+  if (f.update_timing && !first.weights.empty() && !stop_signal) {
     try {
       const double here = TimeWeightUpdate(first.weights, b.optimizer, f.replicas, f.shard_weight_update, f.backend);
       update = {{"ms", here}, {"share_of_step", first.median_step_ms > 0 ? here / first.median_step_ms : 0.0}};
@@ -478,6 +523,7 @@ int Main(const Benchmark& recipe, int argc, char** argv) {
       return 1;
     }
   }
+  if (stop_signal) return 128 + stop_signal;
   return all_ok ? 0 : 1;
 }
 

@@ -7,7 +7,8 @@
 // Session's first step is not part of init: the JIT compiles when the Session is built); init_stop;
 // run_start; blocks of `eval_every` steps, each followed by an evaluation (eval_start, eval_accuracy,
 // eval_stop); run_stop with status success as soon as an evaluation reaches the target, aborted when the
-// step budget is spent first (exit status 1) or anything throws (bad data, non-finite loss: the reason in
+// step budget is spent first (exit status 1), SIGTERM or SIGINT arrives (checked between steps; exit status
+// 128 + the signal, runtime/stop_signal.h) or anything throws (bad data, non-finite loss: the reason in
 // run_stop's metadata "error"). Time to train is run_start to run_stop, as MLPerf measures it.
 #pragma once
 
@@ -39,6 +40,13 @@ struct Flags {
   std::string data;         // data directory (images) or text file ("" = the recipe's)
   bool smoke = false;       // a tiny model of the same recipe (tests: seconds, not minutes)
   bool update_timing = true;  // time the weight update alone, sharded and replicated, after the runs
+  // --simulate (mlperf_simulate.h): predict the recipe's step time and time to train on a TPU pod slice.
+  bool simulate = false;
+  std::string mesh;              // XxY chips
+  int64_t per_core_batch = 0;
+  std::string hardware = "tpu-v3";  // a table name or a .toml path
+  std::string precision = "bf16";   // of the simulated matrix units (TPUs train in bf16)
+  std::string steps_from;        // a result JSON of a real run: its steps to the target ("" = the budget)
 };
 
 // A recipe's pieces for one run, built inside the init interval.
@@ -67,6 +75,13 @@ struct Benchmark {
   // Builds the data, the model and the step program for `flags` and `seed` (the optimizer is
   // `optimizer` above, already adjusted to the budget).
   std::function<Setup(const Flags& flags, uint64_t seed, const ir::OptimizerConfig& optimizer)> setup;
+  // The recipe's global batch for `flags` (--smoke changes it).
+  std::function<int64_t(const Flags& flags)> batch;
+  // The vocabulary of a text recipe's data (null for images): --simulate reads no more of the data.
+  std::function<int64_t(const Flags& flags)> vocab;
+  // The recipe's model on `m` at global batch `batch` (vocab: from the data; 0 for images): the loss.
+  // setup builds its model with it; --simulate builds the pod's.
+  std::function<dsl::Tensor(dsl::Model& m, const Flags& flags, int64_t batch, int64_t vocab)> define;
 };
 
 // Parses the flags (CLI11) and runs flags.seeds runs of `b`; prints the summary, writes the result

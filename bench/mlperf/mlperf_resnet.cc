@@ -13,6 +13,15 @@ namespace {
 
 constexpr int64_t kBatch = 128, kEpochSteps = 469;  // 60000 / 128, the incomplete last batch dropped
 
+// The model: the built-in ResNet-20 (models/resnet.cc, written with the DSL) with label smoothing.
+dsl::Tensor DefineResnet(dsl::Model& m, const mlperf::Flags&, int64_t batch, int64_t) {
+  models::ModelOptions mo;
+  mo.batch = batch;
+  mo.classes = 10;
+  mo.label_smoothing = 0.1;
+  return models::FindModel("resnet20").define(m, mo);
+}
+
 mlperf::Setup SetupResnet(const mlperf::Flags& f, uint64_t seed, const ir::OptimizerConfig& optimizer) {
   const models::ModelSpec& spec = models::FindModel("resnet20");
   mlperf::Setup s;
@@ -32,13 +41,8 @@ mlperf::Setup SetupResnet(const mlperf::Flags& f, uint64_t seed, const ir::Optim
   s.eval_samples = s.eval->num_batches() * io.eval_batch;
   s.data_name = s.train->Describe() + " / " + s.eval->Describe();
 
-  // The model: the built-in ResNet-20 (models/resnet.cc, written with the DSL) with label smoothing.
   s.model = std::make_unique<dsl::Model>("mlperf_resnet", seed);
-  models::ModelOptions mo;
-  mo.batch = s.batch;
-  mo.classes = 10;
-  mo.label_smoothing = 0.1;
-  dsl::Tensor loss = spec.define(*s.model, mo);
+  dsl::Tensor loss = DefineResnet(*s.model, f, s.batch, 0);
   s.program = s.model->train(loss)
                   .optimizer(optimizer)
                   .replicas(f.replicas)
@@ -61,5 +65,7 @@ int main(int argc, char** argv) {
   b.optimizer = dsl::Momentum(0.9).nesterov(true).lr(0.1).weight_decay(5e-4).warmup(kEpochSteps).cosine_decay(
       8 * kEpochSteps, 0.0);
   b.setup = SetupResnet;
+  b.batch = [](const mlperf::Flags&) { return kBatch; };
+  b.define = DefineResnet;
   return mlperf::Main(b, argc, argv);
 }

@@ -13,18 +13,39 @@ using namespace shardstep;
 
 namespace {
 
-mlperf::Setup SetupTransformer(const mlperf::Flags& f, uint64_t seed, const ir::OptimizerConfig& optimizer) {
-  mlperf::Setup s;
-  s.batch = f.smoke ? 8 : 32;
-  // The data first (its characters are the vocabulary): a bad --data file fails before compiling.
+int64_t Batch(const mlperf::Flags& f) { return f.smoke ? 8 : 32; }
+int64_t Context(const mlperf::Flags& f) { return f.smoke ? 32 : 128; }
+
+// The model: the built-in transformer_lm (models/transformer.cc, written with the DSL) at the recipe's size.
+dsl::Tensor DefineTransformer(dsl::Model& m, const mlperf::Flags& f, int64_t batch, int64_t vocab) {
+  models::ModelOptions mo;
+  mo.batch = batch;
+  mo.vocab = vocab;
+  mo.context = Context(f);
+  mo.layers = f.smoke ? 1 : 4;
+  mo.width = f.smoke ? 32 : 128;
+  mo.heads = f.smoke ? 2 : 4;
+  mo.mlp_width = 4 * mo.width;
+  mo.dropout = 0.0;
+  return models::FindModel("transformer_lm").define(m, mo);
+}
+
+runtime::TextDataOptions DataOptions(const mlperf::Flags& f, int64_t batch, uint64_t seed) {
   runtime::TextDataOptions to;
   to.file = f.data;
-  to.context = f.smoke ? 32 : 128;
-  to.batch = s.batch;
-  to.eval_batch = s.batch;
+  to.context = Context(f);
+  to.batch = batch;
+  to.eval_batch = batch;
   to.seed = seed;
   to.max_eval_batches = f.eval_batches;
-  runtime::TextData data = runtime::MakeCharLmData(to);
+  return to;
+}
+
+mlperf::Setup SetupTransformer(const mlperf::Flags& f, uint64_t seed, const ir::OptimizerConfig& optimizer) {
+  mlperf::Setup s;
+  s.batch = Batch(f);
+  // The data first (its characters are the vocabulary): a bad --data file fails before compiling.
+  runtime::TextData data = runtime::MakeCharLmData(DataOptions(f, s.batch, seed));
   s.train = std::move(data.train);
   s.eval = std::move(data.eval);
   s.train_samples = s.train->batches_per_epoch() * s.batch;
@@ -32,16 +53,7 @@ mlperf::Setup SetupTransformer(const mlperf::Flags& f, uint64_t seed, const ir::
   s.data_name = s.train->Describe() + " / " + s.eval->Describe();
 
   s.model = std::make_unique<dsl::Model>("mlperf_transformer", seed);
-  models::ModelOptions mo;
-  mo.batch = s.batch;
-  mo.vocab = data.vocab;
-  mo.context = to.context;
-  mo.layers = f.smoke ? 1 : 4;
-  mo.width = f.smoke ? 32 : 128;
-  mo.heads = f.smoke ? 2 : 4;
-  mo.mlp_width = 4 * mo.width;
-  mo.dropout = 0.0;
-  dsl::Tensor loss = models::FindModel("transformer_lm").define(*s.model, mo);
+  dsl::Tensor loss = DefineTransformer(*s.model, f, s.batch, data.vocab);
   s.program = s.model->train(loss)
                   .optimizer(optimizer)
                   .replicas(f.replicas)
@@ -66,5 +78,12 @@ int main(int argc, char** argv) {
   b.optimizer = dsl::AdamW().lr(0.003).betas(0.9, 0.99).weight_decay(0.01).clip_global_norm(1.0).warmup(50).cosine_decay(
       1200, 0.1);
   b.setup = SetupTransformer;
+  b.batch = Batch;
+  b.define = DefineTransformer;
+  b.vocab = [](const mlperf::Flags& f) {
+    runtime::TextDataOptions to = DataOptions(f, 1, 0);
+    to.max_eval_batches = 1;
+    return runtime::MakeCharLmData(to).vocab;
+  };
   return mlperf::Main(b, argc, argv);
 }

@@ -98,4 +98,24 @@ TEST_CASE("a run that fails ends its MLPerf log with run_stop aborted and the re
     // Intervals are still closed and nested: the only problems are what an aborted run lacks.
     for (const auto& p : shardstep::runtime::CheckMlLog(text)) CHECK(p.find("eval_accuracy never appears") != std::string::npos);
   }
+  SECTION("a SIGTERM between steps") {
+    const std::string log = dir.path + "/term.log";
+    // The run would take minutes; it is stopped once its first block has started (polled, 20 s at most).
+    const auto r = cli_test::Shell(cli_test::Binary() +
+                                   " train --model mlp --hidden 32 --dataset synthetic --steps 1000000 --batch 32 "
+                                   "--eval-batch 400 --eval-every 1000000 --mllog " + log + " > /dev/null & pid=$!; "
+                                   "for i in $(seq 200); do grep -q block_start " + log +
+                                   " 2>/dev/null && break; sleep 0.1; done; kill -TERM $pid; wait $pid; echo status=$?");
+    INFO(r.output);
+    CHECK(r.output.find("status=0") == std::string::npos);
+    CHECK(r.output.find("status=") != std::string::npos);
+    const std::string text = Slurp(log);
+    INFO(text);
+    const auto rec = Records(text);
+    REQUIRE(!rec.empty());
+    CHECK(rec.back()["key"] == "run_stop");
+    CHECK(rec.back()["metadata"]["status"] == "aborted");
+    CHECK(rec.back()["metadata"]["error"].get<std::string>().find("stopped by SIGTERM") != std::string::npos);
+    for (const auto& p : shardstep::runtime::CheckMlLog(text)) CHECK(p.find("eval_accuracy never appears") != std::string::npos);
+  }
 }

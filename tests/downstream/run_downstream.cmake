@@ -22,6 +22,21 @@ run("install" ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${WORK_DIR}/pref
 if(NOT EXISTS ${WORK_DIR}/prefix/lib/cmake/shardstep/shardstepConfig.cmake)
   message(FATAL_ERROR "the install put no lib/cmake/shardstep/shardstepConfig.cmake under ${WORK_DIR}/prefix")
 endif()
+# The simulator's hardware tables are installed (share/shardstep/hardware), and the installed `shardstep` reads
+# those, not the source tree's (tpu_backend/hardware_dirs.h): a table only the install has is found.
+set(hardware_dir ${WORK_DIR}/prefix/share/shardstep/hardware)
+if(NOT EXISTS ${hardware_dir}/tpu-v3.toml)
+  message(FATAL_ERROR "the install put no share/shardstep/hardware/tpu-v3.toml under ${WORK_DIR}/prefix")
+endif()
+if(EXISTS ${WORK_DIR}/prefix/bin/shardstep)
+  configure_file(${hardware_dir}/tpu-v3.toml ${hardware_dir}/tpu-installed-only.toml COPYONLY)
+  run("installed shardstep simulate --hardware tpu-installed-only" ${CMAKE_COMMAND} -E env --unset=SHARDSTEP_HARDWARE_DIR
+      ${WORK_DIR}/prefix/bin/shardstep simulate --model mlp --hidden 16 --mesh 2x2 --per-core-batch 2
+      --hardware tpu-installed-only)
+  if(NOT last_output MATCHES "tpu-installed-only")
+    message(FATAL_ERROR "the installed shardstep did not simulate on the installed table:\n${last_output}")
+  endif()
+endif()
 set(configure_args -S ${SOURCE_DIR} -B ${WORK_DIR}/build -DCMAKE_BUILD_TYPE=Release
                    -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
 if(CXX)
