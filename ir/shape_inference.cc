@@ -434,6 +434,11 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       out[0] *= g;
       return {in[0].dtype, out};
     }
+    case OpCode::kCollectivePermute: {  // the pairs are checked against the replica count by the verifier
+      const int64_t d = c.Int("direction", 1);
+      c.Require(d == 1 || d == -1, Str("direction must be +1 or -1, got ", d));
+      return in[0];
+    }
   }
   SS_CHECK(false, "unhandled op");
   return {};

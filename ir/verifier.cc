@@ -144,8 +144,29 @@ class InstrVerifier {
                " parts (", f.kind(), ": expected ", shard.ToString(), ")"));
   }
 
+  // collective_permute's pairs: a partial permutation of the replicas.
+  void Pairs() const {
+    const int n = m_.num_replicas;
+    const AttrValue* v = Find("pairs");
+    if (!v) Fail("missing attribute 'pairs' (a list of [source,target] replica pairs such as [[0,1],[1,0]])");
+    auto* lists = std::get_if<IntLists>(v);
+    if (!lists && !(std::get_if<IntList>(v) && std::get_if<IntList>(v)->empty()))
+      Fail(Str(Shown("pairs"), " must be a list of [source,target] replica pairs such as [[0,1],[1,0]]"));
+    std::vector<char> source(n, 0), target(n, 0);
+    for (const auto& pair : lists ? *lists : IntLists{}) {
+      if (pair.size() != 2) Fail(Str(Shown("pairs"), " has an entry of ", pair.size(), " replicas, not [source,target]"));
+      for (int64_t r : pair)
+        if (r < 0 || r >= n) Fail(Str(Shown("pairs"), " names replica ", r, ", outside [0, replicas=", n, ")"));
+      if (source[pair[0]]++) Fail(Str(Shown("pairs"), " names replica ", pair[0], " as a source twice"));
+      if (target[pair[1]]++) Fail(Str(Shown("pairs"), " names replica ", pair[1], " as a target twice"));
+    }
+    for (const char* key : {"groups", "group_size", "reduction"})
+      if (Find(key)) Fail(Str(Shown(key), ": collective_permute takes pairs, not groups or a reduction"));
+  }
+
   // Replica groups, group size, packing count and reduction of a collective.
   void Collective() const {
+    if (in_.op == OpCode::kCollectivePermute) return Pairs();
     const int n = m_.num_replicas;
     int64_t size = n;
     if (const AttrValue* g = Find("groups")) {

@@ -134,6 +134,40 @@ std::map<std::string, std::shared_ptr<const CompiledStep>>& MemoryCache() {
   return cache;
 }
 
+// collective_permute: this replica's target and source in the pairs (-1: none); the operand goes to
+// the target, the source's operand (or zeros) comes back. bf16 travels widened to f32, as in the
+// other collectives.
+void RunPermute(const ir::Instr& in, const void* x, void* out, int replica, runtime::Collectives* c) {
+  int to = -1, from = -1;
+  for (const auto& p : in.GetIntLists("pairs")) {
+    if (p.at(0) == replica) to = static_cast<int>(p[1]);
+    if (p.at(1) == replica) from = static_cast<int>(p[0]);
+  }
+  const int64_t n = in.type.elements();
+  if (to < 0 && from < 0) {
+    std::memset(out, 0, in.type.bytes());
+    return;
+  }
+  if (!c) {
+    if (to != replica || from != replica)
+      throw Error(Str("collective_permute between replicas ", replica, " and ", to >= 0 ? to : from,
+                      " needs a Collectives implementation"));
+    std::memcpy(out, x, in.type.bytes());
+    return;
+  }
+  if (!ir::IsFloat(in.type.dtype))
+    throw Error(Str("the Collectives interface carries f32 (and bf16 widened to f32) only, got ", in.type.ToString()));
+  const int direction = static_cast<int>(in.GetInt("direction", 1));
+  if (in.type.dtype == DType::kF32) {
+    c->Permute(replica, to, static_cast<const float*>(x), from, static_cast<float*>(out), n, direction);
+    return;
+  }
+  std::vector<float> wide_x(n), wide_o(n);
+  for (int64_t i = 0; i < n; ++i) wide_x[i] = runtime::Bf16ToF32(static_cast<const uint16_t*>(x)[i]);
+  c->Permute(replica, to, wide_x.data(), from, wide_o.data(), n, direction);
+  for (int64_t i = 0; i < n; ++i) static_cast<uint16_t*>(out)[i] = runtime::F32ToBf16(wide_o[i]);
+}
+
 }  // namespace
 
 Lowering LoweringOf(const ir::Module& m, ValueId v) {
@@ -149,7 +183,8 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
     case OpCode::kMatmul: return in.type.rank() == 2 ? Lowering::kMatmul : Lowering::kNative;
     case OpCode::kAllReduce:
     case OpCode::kReduceScatter:
-    case OpCode::kAllGather: return Lowering::kCollective;
+    case OpCode::kAllGather:
+    case OpCode::kCollectivePermute: return Lowering::kCollective;
     case OpCode::kBroadcast:
     case OpCode::kTranspose:
     case OpCode::kSlice:
@@ -510,6 +545,7 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       return;
     }
     case Lowering::kCollective: {
+      if (in.op == OpCode::kCollectivePermute) return RunPermute(in, P(0), out, replica, c);
       const runtime::ReplicaGroup group = GroupOf(m_, in, replica, c);
       const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
       if (!c) {

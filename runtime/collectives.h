@@ -47,6 +47,14 @@ class Collectives {
   virtual void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) = 0;
   virtual void Barrier(int replica, const ReplicaGroup& group) = 0;
 
+  // Point to point (collective_permute): sends send[n] to replica `to` and receives recv[n] from
+  // replica `from` (-1: none; recv is then zero-filled). Every replica of the permute calls it once,
+  // in the same order; a send does not wait for its receiver, messages between two replicas arrive in
+  // order. `direction` (+1 or -1) says which way round a ring the message goes (a torus axis of size
+  // 2 joins the same two chips by two links); other backends ignore it. The default throws: a backend
+  // without point-to-point transfers.
+  virtual void Permute(int replica, int to, const float* send, int from, float* recv, int64_t n, int direction);
+
   // Called when a replica fails: wakes every waiting replica, which then throws `why`.
   virtual void Abort(const std::string& why) = 0;
 };

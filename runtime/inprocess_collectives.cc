@@ -225,6 +225,7 @@ void InProcessCollectives::Abort(const std::string& why) {
     why_ = why;
     aborted_ = true;
   }
+  mailboxes_.Abort(why);
   std::lock_guard lk(groups_mu_);
   for (auto& [members, g] : groups_) {
     std::lock_guard gl(g->mu);
@@ -295,6 +296,14 @@ void InProcessCollectives::Barrier(int replica, const ReplicaGroup& group) {
   Group& g = Enter(replica, group, 0, &p);
   const Slot slot{Kind::kBarrier, 0, Reduction::kSum, 0, nullptr};
   Sync(g, p, &slot);
+}
+
+void InProcessCollectives::Permute(int replica, int to, const float* send, int from, float* recv, int64_t n, int) {
+  if (aborted_) ThrowAborted();
+  CheckPermute("in-process collectives", num_replicas_, replica, to, from, n);
+  if (to >= 0) mailboxes_.Send(replica, to, send, n);
+  if (from >= 0) mailboxes_.Receive(from, replica, recv, n);
+  else std::fill_n(recv, n, 0.0f);
 }
 
 }  // namespace shardstep::runtime

@@ -35,6 +35,7 @@
 #include <string>
 
 #include "runtime/collectives.h"
+#include "runtime/mailboxes.h"
 
 namespace shardstep::runtime {
 
@@ -52,6 +53,8 @@ class InProcessCollectives final : public Collectives {
   void AllGather(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n) override;
   void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) override;
   void Barrier(int replica, const ReplicaGroup& group) override;
+  // Any pair of replicas (runtime/mailboxes.h).
+  void Permute(int replica, int to, const float* send, int from, float* recv, int64_t n, int direction) override;
 
   // Wall seconds of communication since construction (see above): the largest sum over the replica
   // groups (disjoint groups overlap in time, so their sums are not added).
@@ -84,6 +87,7 @@ class InProcessCollectives final : public Collectives {
   std::mutex abort_mu_;
   std::atomic<bool> aborted_{false};
   std::string why_;
+  Mailboxes mailboxes_;
 };
 
 }  // namespace shardstep::runtime

@@ -585,6 +585,32 @@ Tensor ReduceScatter(const Context& ctx, const Instr& in, const Tensor& x) {
   return out;
 }
 
+// This replica's target and source in a collective_permute's pairs (-1: none).
+std::pair<int, int> PermutePeers(const Instr& in, int replica) {
+  int to = -1, from = -1;
+  for (const auto& p : in.GetIntLists("pairs")) {
+    if (p.at(0) == replica) to = static_cast<int>(p[1]);
+    if (p.at(1) == replica) from = static_cast<int>(p[0]);
+  }
+  return {to, from};
+}
+
+Tensor CollectivePermute(const Context& ctx, const Instr& in, const Tensor& x) {
+  const auto [to, from] = PermutePeers(in, ctx.replica);
+  Tensor out(in.type);  // zeros unless a replica sends here
+  if (to < 0 && from < 0) return out;
+  if (!ctx.collectives) {
+    if (to != ctx.replica || from != ctx.replica)
+      throw Error(Str("collective_permute between replicas ", ctx.replica, " and ", to >= 0 ? to : from,
+                      " needs a Collectives implementation"));
+    return x;
+  }
+  if (x.dtype() != DType::kF32) throw Error(Str("the Collectives interface carries f32 only, got ", x.type.ToString()));
+  ctx.collectives->Permute(ctx.replica, to, x.f32.data(), from, out.f32.data(), x.elements(),
+                           static_cast<int>(in.GetInt("direction", 1)));
+  return out;
+}
+
 Tensor AllGather(const Context& ctx, const Instr& in, const Tensor& x) {
   const ReplicaGroup group = GroupOf(ctx, in, x);
   if (!ctx.collectives) return Reshape(in, x);
@@ -688,6 +714,7 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kAllReduce: return AllReduce(ctx, in, *x[0]);
     case OpCode::kReduceScatter: return ReduceScatter(ctx, in, *x[0]);
     case OpCode::kAllGather: return AllGather(ctx, in, *x[0]);
+    case OpCode::kCollectivePermute: return CollectivePermute(ctx, in, *x[0]);
   }
   SS_CHECK(false, "unhandled op ", ir::OpName(in.op));
   return {};

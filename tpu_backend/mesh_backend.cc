@@ -5,6 +5,7 @@
 
 #include "ir/error.h"
 #include "tpu_backend/mesh_shard_order.h"
+#include "tpu_backend/ring_lowering.h"
 
 namespace shardstep::tpu {
 
@@ -38,11 +39,12 @@ MeshTopology DefaultMeshFor(int replicas) {
 }
 
 MeshExecutor::MeshExecutor(const ir::Module& step, const runtime::TensorMap& logical_state, const MeshTopology& mesh)
-    : jit::CpuExecutor(MeshStepModule(CheckedStep(step, mesh)), logical_state, OptionsFor(mesh)), mesh_(mesh) {}
+    : jit::CpuExecutor(MeshStepModule(CheckedStep(step, mesh), mesh), logical_state, OptionsFor(mesh)), mesh_(mesh) {}
 
-ir::Module MeshStepModule(const ir::Module& step) {
+ir::Module MeshStepModule(const ir::Module& step, const MeshTopology& mesh) {
   ir::Module m = step;
   LayOutAllReducesInShardOrder(m);
+  LowerCollectivesToRingSteps(m, mesh);
   return m;
 }
 

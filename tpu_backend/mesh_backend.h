@@ -21,8 +21,10 @@ namespace shardstep::tpu {
 MeshTopology DefaultMeshFor(int replicas);
 
 // The step the cores compile: `step` with its combined gradient all-reduces laid out in shard order
-// (mesh_shard_order.h), so that sharded and replicated training give the same bits on the mesh.
-ir::Module MeshStepModule(const ir::Module& step);
+// (mesh_shard_order.h), so that sharded and replicated training give the same bits on the mesh, then
+// its collectives lowered to ring steps on `mesh` (ring_lowering.h: neighbour sends and local adds,
+// compiled with the rest of the step).
+ir::Module MeshStepModule(const ir::Module& step, const MeshTopology& mesh);
 
 class MeshExecutor : public jit::CpuExecutor {
  public:

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -69,7 +70,47 @@ void MeshCollectives::Abort(const std::string& why) {
     aborted_ = true;
     why_ = why;
   }
+  mailboxes_.Abort(why_);
   cv_.notify_all();
+}
+
+void MeshCollectives::Permute(int replica, int to, const float* send, int from, float* recv, int64_t n,
+                              int direction) {
+  runtime::CheckPermute("tpu-mesh", mesh_.replicas(), replica, to, from, n);
+  if (to >= 0 && to != replica) {
+    const CoreCoord a = mesh_.CoordOf(replica), b = mesh_.CoordOf(to);
+    const int dir = direction < 0 ? -1 : +1;
+    std::optional<Link> link;
+    if (a.x != b.x || a.y != b.y) {
+      for (MeshAxis axis : {MeshAxis::kX, MeshAxis::kY})
+        for (int d : {dir, -dir})
+          if (!link && mesh_.Neighbor(replica, axis, d) == to) link = mesh_.LinkBetween(replica, to, axis, d);
+      if (!link)
+        throw Error(Str("tpu-mesh: collective_permute from replica ", replica, " (chip ", a.x, ",", a.y, " core ", a.core,
+                        ") to replica ", to, " (chip ", b.x, ",", b.y, " core ", b.core,
+                        "): not torus neighbours along x or y nor cores of one chip, on the mesh of ", mesh_.ToString()));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_) ThrowAborted();
+      if (n > 0) {
+        const int64_t bytes = n * static_cast<int64_t>(sizeof(float));
+        if (link) {
+          const int l = mesh_.LinkIndex(*link);
+          traffic_.bytes[l] += bytes;
+          ++traffic_.messages[l];
+        } else {
+          traffic_.on_chip_bytes += bytes;
+          ++traffic_.on_chip_messages;
+        }
+      }
+    }
+    mailboxes_.Send(replica, to, send, n);
+  } else if (to == replica) {
+    mailboxes_.Send(replica, to, send, n);  // to itself: no wire
+  }
+  if (from >= 0) mailboxes_.Receive(from, replica, recv, n);
+  else std::fill_n(recv, n, 0.0f);
 }
 
 void MeshCollectives::ThrowAborted() const { throw Error(why_); }

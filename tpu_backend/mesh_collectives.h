@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "runtime/collectives.h"
+#include "runtime/mailboxes.h"
 #include "tpu_backend/mesh_topology.h"
 #include "tpu_backend/ring_schedule.h"
 
@@ -49,6 +50,12 @@ class MeshCollectives final : public runtime::Collectives {
   void AllGather(int replica, const runtime::ReplicaGroup& group, const float* in, float* out, int64_t n) override;
   void Broadcast(int replica, const runtime::ReplicaGroup& group, float* data, int64_t n, int root) override;
   void Barrier(int replica, const runtime::ReplicaGroup& group) override;
+  // The emulator's link transfer (collective_permute, tpu_backend/ring_lowering.h): `to` and `from`
+  // must be torus neighbours along x or y, or cores of the same chip (else an Error naming both and the
+  // mesh). The message is counted as RunSchedule counts a transfer: on the link from this replica's
+  // chip along that axis in `direction` (either direction if that is not a neighbour that way), or on
+  // chip. A send does not wait for its receiver (runtime/mailboxes.h).
+  void Permute(int replica, int to, const float* send, int from, float* recv, int64_t n, int direction) override;
   void Abort(const std::string& why) override;
 
   // What crossed the links (MeshTopology::LinkIndex order) and the chips since construction or the last
@@ -83,6 +90,7 @@ class MeshCollectives final : public runtime::Collectives {
   std::condition_variable cv_;
   std::map<runtime::ReplicaGroup, std::unique_ptr<Group>> groups_;
   LinkTraffic traffic_;
+  runtime::Mailboxes mailboxes_;
   int64_t calls_ = 0;
   bool aborted_ = false;
   std::string why_;

@@ -330,6 +330,7 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     // reduce_scatter / all_gather are inserted after autodiff; Autodiff rejects them on a differentiable path.
     case OpCode::kReduceScatter:
     case OpCode::kAllGather:
+    case OpCode::kCollectivePermute:
       return none;
   }
   SS_CHECK(false, "unhandled op ", OpName(in.op));

@@ -103,6 +103,8 @@ ValueId BuildOp(Builder& b, OpCode op) {
     case OpCode::kReduceScatter:
       return b.Emit(op, {In(b, F32({8, 3}))}, {{"groups", IntLists{{0, 2}, {1, 3}}}, {"group_size", int64_t{2}}});
     case OpCode::kAllGather: return b.Emit(op, {In(b, f23)}, {{"group_size", int64_t{4}}});
+    case OpCode::kCollectivePermute:
+      return b.Emit(op, {In(b, f23)}, {{"pairs", IntLists{{0, 1}, {1, 2}, {3, 0}}}, {"direction", int64_t{-1}}});
   }
   return kNoValue;
 }

@@ -576,6 +576,14 @@ std::vector<Case> CasesFor(OpCode op) {
       refused({F({3, 5})}, {{"group_size", int64_t{2}}});
       break;
     }
+    case OpCode::kCollectivePermute: {  // 2 replicas: a swap, and a one-way send (replica 0 gets zeros)
+      for (const ir::IntLists& pairs : {ir::IntLists{{0, 1}, {1, 0}}, ir::IntLists{{0, 1}}}) {
+        CaseBuilder a(name + (pairs.size() == 2 ? " swap" : " one way"));
+        out.push_back(a.Out(a.b.Emit(op, {a.In(F({3, 5}))}, {{"pairs", pairs}})));
+      }
+      refused({F({3, 5})}, {{"pairs", ir::IntLists{{0, 1}, {1, 0}}}});
+      break;
+    }
   }
   for (Case& c : out)
     if (ir::HasProperty(op, ir::kCollective) || op == OpCode::kReplicaId) c.m.num_replicas = 2;

@@ -372,6 +372,12 @@ const std::map<OpCode, std::function<void()>>& Examples() {
        [] {
          Expect(Apply(OpCode::kAllGather, {F({2}, {1, 2})}, {{"group_size", int64_t{1}}}), F({2}, {1, 2}));
        }},
+      // One replica: sending to itself keeps the operand; with no pair it receives zeros.
+      {OpCode::kCollectivePermute,
+       [] {
+         Expect(Apply(OpCode::kCollectivePermute, {F({2}, {1, -2})}, {{"pairs", IntLists{{0, 0}}}}), F({2}, {1, -2}));
+         Expect(Apply(OpCode::kCollectivePermute, {F({2}, {1, -2})}, {{"pairs", IntList{}}}), F({2}, {0, 0}));
+       }},
   };
   return examples;
 }

@@ -21,6 +21,7 @@
 #include "runtime/sharding.h"
 #include "shardstep/shardstep.h"
 #include "tpu_backend/mesh_backend.h"
+#include "tpu_backend/mesh_shard_order.h"
 
 using namespace shardstep;
 using namespace shardstep::runtime;
@@ -139,7 +140,12 @@ TEST_CASE("per-link bytes after one step equal the closed form of the step's col
     exec.Step(MlpBatch(kBatch, 1));
     const tpu::LinkTraffic t = exec.mesh_collectives().traffic();
 
-    const ir::Module m = tpu::MeshStepModule(p.step);  // what the cores run
+    // The collectives before ring lowering (the cores run them as collective_permute ring steps,
+    // tpu_backend/ring_lowering.h, which must move exactly these bytes).
+    ir::Module m = p.step;
+    tpu::LayOutAllReducesInShardOrder(m);
+    for (const ir::Instr& in : tpu::MeshStepModule(p.step, kMesh).instrs)
+      CHECK((in.op != ir::OpCode::kAllReduce && in.op != ir::OpCode::kReduceScatter && in.op != ir::OpCode::kAllGather));
     const int64_t n = kMesh.replicas();
     std::vector<int64_t> bytes(kMesh.Links().size()), msgs(kMesh.Links().size());
     int collectives = 0;
