@@ -34,6 +34,7 @@
 #include <sstream>
 
 #include "ir/error.h"
+#include "jit/vector_math.h"
 
 namespace shardstep::jit {
 
@@ -178,6 +179,7 @@ std::unique_ptr<JitCompiler> JitCompiler::Create(const JitOptions& options) {
   std::string features;
   for (const std::string& f : jtmb.getFeatures().getFeatures()) features += f;
   impl->target_key = jtmb.getTargetTriple().str() + "/" + jtmb.getCPU() + "/" + HashHex(features);
+  if (ScalarLibm()) impl->target_key += "/scalar-libm";  // the kernels' code differs (jit/vector_math.h)
   impl->tm = Unwrap(jtmb.createTargetMachine(), "creating the target machine");
 
   DiskObjectCache* cache = impl->cache.get();

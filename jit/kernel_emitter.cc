@@ -7,8 +7,10 @@
 // buffer), so the loop vectoriser needs no runtime alias checks. No instruction carries fast-math
 // flags: the scalar semantics below reproduce the interpreter's (runtime/interpreter.cc) exactly:
 //  - max/min: (a > b) | (a != a) ? a : b (NaN wins); relu(x) = (x > 0) | (x != x) ? x : 0;
-//  - exp, log, sin, cos, tanh, pow call libm's expf, logf, ... (the functions the interpreter calls);
-//  - rsqrt = 1 / sqrt(x); sigmoid = 1 / (1 + expf(-x));
+//  - exp, log, tanh are inline IR (jit/vector_math.h: within 1 ulp of the exact value, so within 2 of
+//    the interpreter's libm; SHARDSTEP_SCALAR_LIBM=1 calls libm instead); sin, cos, pow call libm's
+//    sinf, cosf, powf (the functions the interpreter calls);
+//  - rsqrt = 1 / sqrt(x); sigmoid = 1 / (1 + exp(-x));
 //  - comparisons give 1 or 0 in the result dtype; select tests cond != 0 (NaN counts as true);
 //  - s32 add/sub/mul/neg/abs wrap; convert f32 -> s32 truncates and saturates (NaN -> 0).
 //  - bf16 (i16 in memory) is computed in f32: a load widens exactly (bits << 16), every bf16-typed
@@ -27,6 +29,7 @@
 #include <unordered_map>
 
 #include "ir/error.h"
+#include "jit/vector_math.h"
 #include "runtime/tensor.h"
 
 namespace shardstep::jit {
@@ -206,6 +209,8 @@ class Emitter {
     return call;
   }
 
+  llvm::Value* Exp(llvm::IRBuilder<>& b, llvm::Value* a) { return libm_ ? LibmCall(b, "expf", {a}) : EmitExp(b, a); }
+
   llvm::Value* Intrinsic(llvm::IRBuilder<>& b, llvm::Intrinsic::ID id, llvm::Value* a) {
     return b.CreateUnaryIntrinsic(id, a);
   }
@@ -222,14 +227,14 @@ class Emitter {
     switch (in.op) {
       case OpCode::kBroadcast: return x[0];  // of a scalar (others are loads through an index map)
       case OpCode::kNeg: return f ? b.CreateFNeg(x[0]) : b.CreateSub(zero, x[0]);
-      case OpCode::kExp: return LibmCall(b, "expf", {x[0]});
-      case OpCode::kLog: return LibmCall(b, "logf", {x[0]});
+      case OpCode::kExp: return Exp(b, x[0]);
+      case OpCode::kLog: return libm_ ? LibmCall(b, "logf", {x[0]}) : EmitLog(b, x[0]);
       case OpCode::kSqrt: return Intrinsic(b, llvm::Intrinsic::sqrt, x[0]);
       case OpCode::kRsqrt: return b.CreateFDiv(one, Intrinsic(b, llvm::Intrinsic::sqrt, x[0]));
-      case OpCode::kTanh: return LibmCall(b, "tanhf", {x[0]});
+      case OpCode::kTanh: return libm_ ? LibmCall(b, "tanhf", {x[0]}) : EmitTanh(b, x[0]);
       case OpCode::kSin: return LibmCall(b, "sinf", {x[0]});
       case OpCode::kCos: return LibmCall(b, "cosf", {x[0]});
-      case OpCode::kSigmoid: return b.CreateFDiv(one, b.CreateFAdd(one, LibmCall(b, "expf", {b.CreateFNeg(x[0])})));
+      case OpCode::kSigmoid: return b.CreateFDiv(one, b.CreateFAdd(one, Exp(b, b.CreateFNeg(x[0]))));
       case OpCode::kRelu: {
         llvm::Value* keep = b.CreateOr(b.CreateFCmpOGT(x[0], zero), b.CreateFCmpUNO(x[0], x[0]));
         return b.CreateSelect(keep, x[0], zero);
@@ -280,6 +285,7 @@ class Emitter {
   const ir::Module& m_;
   llvm::LLVMContext& ctx_;
   llvm::Module& mod_;
+  const bool libm_ = ScalarLibm();
 };
 
 }  // namespace
