@@ -25,12 +25,12 @@ std::string Fmt(const char* f, double v) {
 
 std::string SpeedupPlotSvg(const std::vector<SpeedupPoint>& points, const std::string& title) {
   const double w = 720, h = 440, left = 70, right = 150, top = 40, bottom = 60;
-  std::map<int64_t, std::vector<SpeedupPoint>> lines;  // per-core batch -> points by chips
+  std::map<int64_t, std::vector<SpeedupPoint>> lines;  // per-core (or global) batch -> points by chips
   std::map<int, std::string> ticks;
   double ymax = 1.1, ymin = 0.9;
   int cmin = 1 << 30, cmax = 1;
   for (const SpeedupPoint& p : points) {
-    lines[p.per_core_batch].push_back(p);
+    lines[p.global_batch > 0 ? p.global_batch : p.per_core_batch].push_back(p);
     ticks[p.chips] = p.mesh;
     ymax = std::max(ymax, p.speedup * 1.05);
     ymin = std::min(ymin, p.speedup * 0.95);
@@ -72,7 +72,7 @@ std::string SpeedupPlotSvg(const std::vector<SpeedupPoint>& points, const std::s
     for (const SpeedupPoint& p : pts)
       os << "<circle cx=\"" << X(p.chips) << "\" cy=\"" << Y(p.speedup) << "\" r=\"3\" fill=\"" << color << "\"/>\n";
     os << "<text x=\"" << w - right + 12 << "\" y=\"" << top + 16 * k + 10 << "\" fill=\"" << color
-       << "\">per-core batch " << batch << "</text>\n";
+       << "\">" << (pts.front().global_batch > 0 ? "global batch " : "per-core batch ") << batch << "</text>\n";
     ++k;
   }
   os << "</svg>\n";

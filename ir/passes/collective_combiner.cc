@@ -18,6 +18,7 @@
 //  3. Canonicalize (the packed op depends on every member's operand; users follow it).
 #include "ir/passes/collective_combiner.h"
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -36,8 +37,25 @@ std::string Key(const Instr& in) {
   return k;
 }
 
+// Replaces every use of from[i] by to[i] in one walk over the module: what ReplaceAllUses does per pair
+// (the pieces never use a member, so the order of the replacements does not matter), without a walk
+// per member.
+void ReplaceUses(Module& m, const std::vector<ValueId>& from, const std::vector<ValueId>& to) {
+  std::vector<ValueId> with(m.size(), kNoValue);
+  for (size_t i = 0; i < from.size(); ++i) with[from[i]] = to[i];
+  auto replace = [&](ValueId& v) {
+    if (v >= 0 && v < static_cast<ValueId>(with.size()) && with[v] != kNoValue) v = with[v];
+  };
+  for (Instr& in : m.instrs)
+    for (ValueId& o : in.operands) replace(o);
+  for (auto& [var, v] : m.assigns) replace(v);
+  for (auto& [var, g] : m.gradients) replace(g);
+  for (auto& [name, v] : m.outputs) replace(v);
+}
+
 ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
   const Instr first = m.at(members[0]);
+  std::vector<ValueId> pieces;  // member i's replacement
   const OpCode op = first.op;
   Attrs attrs = first.attrs;
   int64_t originals = 0;
@@ -57,10 +75,10 @@ ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
     int64_t off = 0;
     for (size_t i = 0; i < members.size(); ++i) {
       const Shape shape = m.type(members[i]).shape;  // a copy: the builder may reallocate m.instrs
-      ValueId piece = b.Reshape(b.Slice(rs, {off}, {off + widths[i]}), shape);
-      m.ReplaceAllUses(members[i], piece);
+      pieces.push_back(b.Reshape(b.Slice(rs, {off}, {off + widths[i]}), shape));
       off += widths[i];
     }
+    ReplaceUses(m, members, pieces);
     return rs;
   }
   for (ValueId v : members) {
@@ -76,20 +94,23 @@ ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
     ValueId rows = b.Reshape(c, {g, total});
     for (size_t i = 0; i < members.size(); ++i) {
       const Shape shape = m.type(members[i]).shape;
-      ValueId piece = b.Reshape(b.Slice(rows, {0, off}, {g, off + widths[i]}), shape);
-      m.ReplaceAllUses(members[i], piece);
+      pieces.push_back(b.Reshape(b.Slice(rows, {0, off}, {g, off + widths[i]}), shape));
       off += widths[i];
     }
   } else {
     for (size_t i = 0; i < members.size(); ++i) {
       const Shape shape = m.type(members[i]).shape;
-      ValueId piece = b.Reshape(b.Slice(c, {off}, {off + widths[i]}), shape);
-      m.ReplaceAllUses(members[i], piece);
+      pieces.push_back(b.Reshape(b.Slice(c, {off}, {off + widths[i]}), shape));
       off += widths[i];
     }
   }
+  ReplaceUses(m, members, pieces);
   return c;
 }
+
+// The dependency bitsets of FirstGroup, kept across its calls: a fresh multi-megabyte array per packed
+// group cost more in page faults than the walk itself on a bert-large step.
+thread_local std::vector<uint64_t> deps_scratch;
 
 }  // namespace
 
@@ -105,14 +126,23 @@ std::vector<ValueId> CollectiveCombiner::FirstGroup(const Module& m) const {
       colls.push_back(v);
     }
   if (colls.size() < 2) return {};
+  // One flat array, filled in module order only as far as the walk below gets (it usually stops at the
+  // first group that closes; this pass runs the walk once per packed group).
   const size_t words = (colls.size() + 63) / 64;
-  std::vector<std::vector<uint64_t>> deps(n, std::vector<uint64_t>(words, 0));
-  for (ValueId v = 0; v < n; ++v) {
-    for (ValueId o : m.at(v).operands) {
-      for (size_t w = 0; w < words; ++w) deps[v][w] |= deps[o][w];
-      if (index[o] >= 0) deps[v][index[o] / 64] |= 1ull << (index[o] % 64);
+  std::vector<uint64_t>& deps = deps_scratch;
+  deps.resize(static_cast<size_t>(n) * words);  // each row is cleared when it is filled
+  ValueId filled = 0;
+  auto fill_to = [&](ValueId last) {
+    for (; filled <= last; ++filled) {
+      uint64_t* d = &deps[static_cast<size_t>(filled) * words];
+      std::fill(d, d + words, uint64_t{0});
+      for (ValueId o : m.at(filled).operands) {
+        const uint64_t* od = &deps[static_cast<size_t>(o) * words];
+        for (size_t w = 0; w < words; ++w) d[w] |= od[w];
+        if (index[o] >= 0) d[index[o] / 64] |= 1ull << (index[o] % 64);
+      }
     }
-  }
+  };
   struct Group {
     std::vector<ValueId> members;
     int64_t bytes = 0;
@@ -124,8 +154,10 @@ std::vector<ValueId> CollectiveCombiner::FirstGroup(const Module& m) const {
     const int64_t bytes = std::max(in.type.bytes(), m.type(in.operands[0]).bytes());
     const int64_t count = in.GetInt("combined", 1);
     Group& g = open[Key(in)];
+    fill_to(v);
+    const uint64_t* dv = &deps[static_cast<size_t>(v) * words];
     bool depends = false;
-    for (ValueId u : g.members) depends |= (deps[v][index[u] / 64] >> (index[u] % 64)) & 1;
+    for (ValueId u : g.members) depends |= (dv[index[u] / 64] >> (index[u] % 64)) & 1;
     if (depends || g.bytes + bytes > max_bytes_ || g.count + count > max_count_) {
       if (g.members.size() > 1) return g.members;
       g = Group{};
@@ -143,6 +175,7 @@ bool CollectiveCombiner::Run(Module& m) {
   if (max_bytes_ <= 0 || max_count_ < 2) return false;
   bool changed = false;
   for (std::vector<ValueId> group = FirstGroup(m); !group.empty(); group = FirstGroup(m)) {
+    m.instrs.reserve(m.instrs.size() + 4 * group.size() + 8);  // the appends below: no reallocation per op
     Builder b(&m);
     Combine(b, m, group);
     m.Canonicalize();

@@ -31,21 +31,41 @@ bool IsFusible(const Module& m, ValueId v) {
 
 namespace {
 
-// Does value `from` depend on a member of group `g` (whose first member is `first`) through a path
-// that leaves the group? Walks operands backwards, never below `first`.
-bool DependsOnGroup(const Module& m, const std::vector<int>& group, ValueId from, int g, ValueId first,
-                    std::vector<int>& seen, int stamp) {
-  std::vector<ValueId> stack{from};
-  while (!stack.empty()) {
-    ValueId v = stack.back();
-    stack.pop_back();
-    if (v < first || seen[v] == stamp) continue;
-    seen[v] = stamp;
-    if (group[v] == g) return true;
-    for (ValueId o : m.at(v).operands) stack.push_back(o);
+// Which groups each value depends on: for value v, a bitset over group ids of the groups its
+// ancestors-or-self were put in when they were visited (a value is visited once, in module order, and
+// gets its set then). Groups merge by relabelling their members; `ids[g]` lists the ids of the groups
+// merged into g, so "v depends on a member of g" is "v's set meets ids[g]". This is what a backward
+// walk from v would find (a member of g among v's ancestors: the walk returned at the first one), in
+// time independent of the module's size: on a bert-large step the walks took seconds.
+class GroupDeps {
+ public:
+  explicit GroupDeps(int n) : offset_(n + 1, 0), words_(n, 0) {}
+
+  // Record v's set, once its group is decided (`group`: -1 or v's group id; `groups`: ids in use).
+  void Visit(const Module& m, ValueId v, int group, size_t groups) {
+    const size_t words = (groups + 63) / 64;
+    offset_[v] = bits_.size();
+    words_[v] = words;
+    bits_.resize(bits_.size() + words, 0);
+    uint64_t* d = bits_.data() + offset_[v];
+    for (ValueId o : m.at(v).operands) {
+      const uint64_t* od = bits_.data() + offset_[o];
+      for (size_t w = 0; w < words_[o]; ++w) d[w] |= od[w];
+    }
+    if (group >= 0) d[group / 64] |= uint64_t{1} << (group % 64);
   }
-  return false;
-}
+  // Does visited value v depend on (or is it) a member of any group whose id is in `ids`?
+  bool Meets(ValueId v, const std::vector<int>& ids) const {
+    const uint64_t* d = bits_.data() + offset_[v];
+    for (int i : ids)
+      if (static_cast<size_t>(i / 64) < words_[v] && ((d[i / 64] >> (i % 64)) & 1)) return true;
+    return false;
+  }
+
+ private:
+  std::vector<uint64_t> bits_;
+  std::vector<size_t> offset_, words_;
+};
 
 }  // namespace
 
@@ -53,13 +73,15 @@ bool ElementwiseFuser::Run(Module& m) {
   bool had = false;
   for (Instr& in : m.instrs) had |= in.attrs.erase(kFusionAttr) > 0;
   const int n = m.size();
-  std::vector<int> group(n, -1), seen(n, -1);
+  std::vector<int> group(n, -1);
   std::vector<ValueId> first;             // per group: its first member (groups only grow downwards)
   std::vector<std::vector<ValueId>> members;
+  std::vector<std::vector<int>> ids;      // per group: the group ids merged into it (itself included)
   std::vector<Shape> shape;
-  int stamp = 0;
+  GroupDeps deps(n);
   // Would operand `p` of a member of `into` (or of the new member) close a cycle through group `g`?
-  auto reaches = [&](ValueId p, int g) { return DependsOnGroup(m, group, p, g, first[g], seen, ++stamp); };
+  // (Does p depend on a member of g through a path that leaves the group: p is not in g, so any path.)
+  auto reaches = [&](ValueId p, int g) { return deps.Meets(p, ids[g]); };
   // May groups a and b become one? Only if no path leaves one and enters the other.
   auto can_merge = [&](int a, int b) {
     for (int x : {a, b}) {
@@ -71,7 +93,10 @@ bool ElementwiseFuser::Run(Module& m) {
     return true;
   };
   for (ValueId v = 0; v < n; ++v) {
-    if (!IsFusible(m, v)) continue;
+    if (!IsFusible(m, v)) {
+      deps.Visit(m, v, -1, first.size());
+      continue;
+    }
     const Instr& in = m.at(v);
     int chosen = -1;
     for (ValueId o : in.operands) {
@@ -92,6 +117,8 @@ bool ElementwiseFuser::Run(Module& m) {
         for (ValueId x : members[g]) group[x] = chosen;
         members[chosen].insert(members[chosen].end(), members[g].begin(), members[g].end());
         members[g].clear();
+        ids[chosen].insert(ids[chosen].end(), ids[g].begin(), ids[g].end());
+        ids[g].clear();
         first[chosen] = std::min(first[chosen], first[g]);
       }
     }
@@ -100,9 +127,11 @@ bool ElementwiseFuser::Run(Module& m) {
       first.push_back(v);
       members.emplace_back();
       shape.push_back(in.type.shape);
+      ids.push_back({chosen});
     }
     group[v] = chosen;
     members[chosen].push_back(v);
+    deps.Visit(m, v, chosen, first.size());
   }
   // Dense ids in order of each group's first member.
   std::vector<int> id(first.size(), -1);

@@ -1,6 +1,7 @@
 // The step-time simulator (tpu_backend/simulator.h): its collective times are the closed-form α–β
 // costs of the 2D-torus algorithm for the same hardware table, sharding's simulated speedup grows as the
-// per-core batch shrinks and as the mesh grows, sharded optimizer state is 1/N per core (+ padding),
+// per-core batch shrinks and as the mesh grows at a fixed global batch (at a fixed per-core batch it moves
+// only by the sharded step's exposed collective latency), sharded optimizer state is 1/N per core (+ padding),
 // the JSON has its keys, and bad input is an error naming the flag or the file and line.
 #include "tpu_backend/simulator.h"
 
@@ -111,6 +112,72 @@ TEST_CASE("sharding's simulated speedup grows as the per-core batch shrinks and 
   CHECK(small_batch > 1);
   CHECK(small_batch > large_batch);
   CHECK(large_mesh > small_batch);
+}
+
+// ResNet-50 with LARS, the paper's MLPerf image model, at `per_core_batch` on a `x` by `y` mesh.
+std::pair<SimulationResult, SimulationResult> Resnet50(int x, int y, int64_t per_core_batch,
+                                                        const HardwareTable& hw) {
+  const MeshTopology mesh(x, y);
+  models::ModelOptions o;
+  o.batch = per_core_batch * mesh.replicas();
+  o.classes = 1000;
+  auto step = [&](bool sharded) {
+    dsl::Model m("resnet50", 0);
+    m.train(models::FindModel("resnet50").define(m, o));
+    ir::Module s = m.lower(mesh.replicas(), dsl::Mode::kTrain);
+    ir::PipelineOptions po;
+    po.optimizer = ir::OptimizerConfig().kind(ir::OptimizerKind::kLars).lr(0.1);
+    po.replicas = mesh.replicas();
+    po.shard_weight_update = sharded;
+    po.bf16_contractions = true;
+    ir::BuildTrainingPipeline(po).Run(s);
+    return Simulate(s, mesh, hw, Precision::kBf16);
+  };
+  return {step(false), step(true)};
+}
+
+TEST_CASE("at a fixed global batch (MLPerf-style scaling) sharding's speedup grows with every mesh step") {
+  // The paper's setting: a larger mesh means a smaller per-core batch, so the replicated update (the same
+  // on every mesh) is a growing part of the replicated step, while the sharded update shrinks as 1/N.
+  // (Not for the tiny MLP: at a few examples per core its step is a few collective latencies.)
+  const HardwareTable hw = FindHardwareTable("tpu-v3");
+  const int64_t global = 2048;
+  double previous = 0;
+  for (auto [x, y] : {std::pair{4, 4}, {8, 4}, {8, 8}, {16, 8}, {16, 16}}) {
+    const int64_t per_core = global / (2 * x * y);
+    const auto [replicated, sharded] = Resnet50(x, y, per_core, hw);
+    const double speedup = replicated.step_s / sharded.step_s;
+    INFO(x << "x" << y << ": per-core batch " << per_core << ", speedup " << speedup);
+    CHECK(speedup > previous);
+    previous = speedup;
+  }
+  CHECK(previous > 1.05);  // 16x16 at 4 per core; 1.0 on 4x4 at 64 per core
+}
+
+TEST_CASE("at a fixed per-core batch the speedup moves only by the sharded step's exposed communication") {
+  // Compute per core is the same on every mesh, the replicated all-reduces hide under the backward, and the
+  // update saving U(1 - 1/N) is nearly constant; what grows with the mesh is the per-hop latency
+  // (X + Y - 2 ring steps per reduce-scatter or all-gather) of the sharded step's tail: the last
+  // gradient reduce-scatter, the LARS norm all-reduces after it and the all-gathers at the end of the step.
+  const HardwareTable hw = FindHardwareTable("tpu-v3");
+  const auto [rep_small, sh_small] = Resnet50(4, 4, 16, hw);
+  const auto [rep_large, sh_large] = Resnet50(16, 16, 16, hw);
+  // The replicated step: its all-reduces hide under the backward and the update (to a few microseconds).
+  CHECK(rep_large.step_s == Approx(rep_small.step_s).epsilon(1e-4));
+  CHECK(rep_large.exposed_communication_s < 1e-4 * rep_large.step_s);
+  CHECK(sh_large.compute_s == Approx(sh_small.compute_s).epsilon(2e-3));
+  CHECK(rep_large.weight_update_s - sh_large.weight_update_s > 0.9 * rep_large.weight_update_s);
+  CHECK(sh_large.exposed_communication_s > sh_small.exposed_communication_s);
+  // The sharded step grows by its exposed communication, and by less than its interconnect's busy time does.
+  const double growth = sh_large.step_s - sh_small.step_s;
+  CHECK(growth == Approx(sh_large.exposed_communication_s - sh_small.exposed_communication_s +
+                         sh_large.compute_s - sh_small.compute_s));
+  CHECK(growth < sh_large.collective_s - sh_small.collective_s);
+  // So the speedup shrinks by at most that latency, and sharding still wins.
+  const double small = rep_small.step_s / sh_small.step_s, large = rep_large.step_s / sh_large.step_s;
+  CHECK(large >= rep_large.step_s / (sh_small.step_s + sh_large.collective_s - sh_small.collective_s));
+  CHECK(large > 1.0);
+  CHECK(large <= small);
 }
 
 TEST_CASE("sharded optimizer state per core is 1/N of replicated, plus padding") {
