@@ -73,7 +73,8 @@ std::string Describe(const Tensor& a, const Tensor& b) {
 // step is g / (|g| + eps) ~ sign(g), so with the default eps 1e-8 a gradient that cancels to ~1e-9
 // flips sign with rounding and its weight moves by a full lr on one side only: the CNN's fc1.w
 // (3136 x 128, sums of many cancelling products) does this; the MLP's does not. The CNN Adam case
-// uses eps 1e-4 (the update then changes by at most |dg| / eps).
+// uses eps 1e-3: the update then changes by at most lr |dg| / eps = |dg|. (At eps 1e-4 it was 10 |dg|, which
+// oneDNN's AVX-512 sgemm, blocking its sums otherwise than the AVX2 one, took to 1.9x the tolerance.)
 void CheckAgainstInterpreter(bool cnn, ir::OptimizerConfig opt, int steps, double rtol = 1e-5, double atol = 1e-7) {
   dsl::Program p = Build(cnn, opt);
   const TensorMap init = InitLogicalState(p.step);
@@ -106,7 +107,7 @@ TEST_CASE("MLP training steps on the JIT agree with the interpreter", "[jit][tra
 
 TEST_CASE("CNN training steps on the JIT agree with the interpreter", "[jit][train]") {
   SECTION("sgd") { CheckAgainstInterpreter(true, dsl::SGD().lr(0.1), 3); }
-  SECTION("adam") { CheckAgainstInterpreter(true, dsl::Adam().lr(1e-3).eps(1e-4), 3); }
+  SECTION("adam") { CheckAgainstInterpreter(true, dsl::Adam().lr(1e-3).eps(1e-3), 3); }
 }
 
 TEST_CASE("JIT forward (evaluation) agrees with the interpreter", "[jit][train]") {

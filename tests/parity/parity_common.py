@@ -25,7 +25,8 @@ import gzip, json, os, shutil, subprocess, sys, time
 import numpy as np
 
 
-def add_common_args(ap):
+def add_common_args(ap, extra_mutations=()):
+    """extra_mutations: further --mutate choices of the calling script (its own tests of the test)."""
     ap.add_argument("--shardstep", required=True, help="path to the shardstep binary")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32, help="global batch (split evenly over --replicas)")
@@ -42,10 +43,10 @@ def add_common_args(ap):
     ap.add_argument("--tol", type=float, default=1e-4, help="loss: max |diff| / max(|ref|, 1) per step")
     ap.add_argument("--state-rtol", type=float, default=5e-5,
                     help="final weights and optimizer state: max |diff| / max(|ref|, rms(ref tensor)) per element")
-    ap.add_argument("--mutate", choices=["lr", "lr1pc", "weight", "init"],
+    ap.add_argument("--mutate", choices=["lr", "lr1pc", "weight", "init"] + list(extra_mutations),
                     help="test of the test, must make it FAIL: lr / lr1pc = reference lr x 1.001 / x 1.01; weight = the last "
                          "element of shardstep's last final weight moved by twice the tolerance; init = one initial reference "
-                         "weight moved by 10 times the tolerance")
+                         "weight moved by 10 times the tolerance" + ("; see --mutate-site for the others" if extra_mutations else ""))
     ap.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
 
 

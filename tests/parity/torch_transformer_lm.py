@@ -206,71 +206,13 @@ def train(a, dt, start, batches, mm_cfg=None, first_step=0, state=None):
 # (no rounding) from the same states must fail this test in at least half of the tensors, else the test says nothing.
 def bf16_teacher_forced(a, states, batches, unrounded, ours):
     """states[k]: shardstep's state before step k (k = 0 .. steps); ours: its losses. Returns the number of failures."""
-    names = sorted(n for n in states[-1] if n != "step")
+    def take_step(dt, cfg, k, before):
+        weights = {n: before[n] for n in before if n != "step" and "/" not in n}
+        opt_state = {n: before[n] for n in before if "/" in n}
+        losses, after = train(a, dt, weights, [batches[k]], cfg, first_step=k, state=opt_state)
+        return losses[0], after
+    return bf16_matmul.teacher_forced(a, states, ours, take_step, unrounded)
 
-    def take_steps(dt, make_cfg):
-        """[(loss at step k, {tensor: increment})] for k = 0 .. steps - 1, each from states[k]."""
-        out = []
-        for k in range(a.steps):
-            before = states[k]
-            weights = {n: before[n] for n in names if "/" not in n}
-            opt_state = {n: before[n] for n in names if "/" in n}
-            losses, after = train(a, dt, weights, [batches[k]], make_cfg(), first_step=k, state=opt_state)
-            out.append((losses[0], {n: after[n].astype(np.float32).astype(np.float64) - before[n].astype(np.float64)
-                                    for n in names}))
-        return out
-
-    def dist(run, ref):
-        """(per-step relative loss distances, {tensor: per-step relative L2 distances of its increment}, per-step
-        relative L2 distance of all of Adam's / LAMB's m increments together (the clipped gradient))."""
-        loss = [abs(x[0] - y[0]) / max(abs(y[0]), 1.0) for x, y in zip(run, ref)]
-        grad = lambda inc: np.concatenate([inc[n].ravel() for n in names if n.endswith("/m")])
-        return (loss, {n: [pc.rel_l2(x[1][n], y[1][n]) for x, y in zip(run, ref)] for n in names},
-                [pc.rel_l2(grad(x[1]), grad(y[1])) for x, y in zip(run, ref)])
-
-    med = lambda v: float(np.quantile(v, a.bf16_quantile))  # the statistic over the steps
-    per_step = lambda v: " ".join(f"{x:.0e}" for x in v)
-    oracle = take_steps(torch.float64, lambda: bf16_matmul.Config(unrounded=unrounded))
-    noise_loss, noise, noise_grad = dist(take_steps(torch.float32, lambda: bf16_matmul.Config(unrounded=unrounded)),
-                                         oracle)
-    loss_tol = max(a.bf16_loss_floor, a.noise_factor * med(noise_loss))
-    tols = {n: max(a.bf16_floor, a.noise_factor * med(noise[n])) for n in names}
-    print(f"torch float32 teacher-forced vs the oracle, gradient (m increments) rel L2 per step: {per_step(noise_grad)}")
-
-    # The test can tell bf16 from float: plain float steps (no rounding) must fall outside these tolerances.
-    float_loss, float_d, float_grad = dist(take_steps(torch.float64, lambda: bf16_matmul.Config(rounding=False)), oracle)
-    outside = [n for n in names if med(float_d[n]) > tols[n]]
-    print(f"plain float steps vs the oracle, gradient rel L2 per step: {per_step(float_grad)}; {len(outside)} of "
-          f"{len(names)} tensors outside their tolerance")
-    failures = 0
-    if len(outside) < len(names) // 2:
-        print("FAIL: float and bf16 steps are too close for this test to tell them apart")
-        failures += 1
-
-    mine = [(ours[k], {n: states[k + 1][n].astype(np.float64) - states[k][n].astype(np.float64) for n in names})
-            for k in range(a.steps)]
-    loss_d, d, grad_d = dist(mine, oracle)
-    print(f"shardstep vs the oracle, gradient rel L2 per step:  {per_step(grad_d)}")
-    print(f"{'step':>4}  {'shardstep':>12}  {'oracle':>12}  {'rel diff':>9}")
-    for k, ((x, _), (y, _)) in enumerate(zip(mine, oracle), 1):
-        print(f"{k:>4}  {x:12.8f}  {y:12.8f}  {loss_d[k - 1]:9.2e}")
-    print(f"losses: quantile {a.bf16_quantile:g} of the rel diff {med(loss_d):.2e} (tol {loss_tol:.2e}), "
-          f"max {max(loss_d):.2e}")
-    print(f"{'increment of':<26} {'q' + format(a.bf16_quantile, 'g'):>9} {'tol':>9} {'/ tol':>6} {'max':>9}   "
-          f"(relative L2 over the steps)")
-    ratio = {n: med(d[n]) / tols[n] for n in names}
-    for n in names:
-        print(f"{n:<26} {med(d[n]):9.2e} {tols[n]:9.2e} {ratio[n]:6.2f} {max(d[n]):9.2e}" +
-              ("  <-- MISMATCH" if ratio[n] > 1 else ""))
-    worst = lambda sel: max((med(d[n]) for n in names if sel(n)), default=0.0)
-    print(f"teacher-forced, {a.steps} steps, quantile {a.bf16_quantile:g} over the steps: loss {med(loss_d):.2e}; increments rel L2: "
-          f"weights {worst(lambda n: '/' not in n):.2e}, m {worst(lambda n: n.endswith('/m')):.2e}, "
-          f"v {worst(lambda n: n.endswith('/v')):.2e}; largest error / tolerance {max(ratio.values()):.2f} "
-          f"({max(ratio, key=ratio.get)})")
-    bad = [n for n in names if ratio[n] > 1]
-    if med(loss_d) > loss_tol: print(f"FAIL: the loss's relative difference (quantile) exceeds {loss_tol:.2e}")
-    if bad: print(f"FAIL: {len(bad)} tensor(s)' increments differ by more than their tolerance: {bad[:6]}")
-    return failures + (med(loss_d) > loss_tol) + bool(bad)
 
 def run_label(a, vocab):
     return (f"transformer_lm {a.optimizer} lr={a.lr} wd={a.weight_decay} dropout={a.dropout} ls={a.label_smoothing} "
@@ -316,17 +258,11 @@ def main():
     ap.add_argument("--float32-noise", action="store_true",
                     help="with --dtype float64: also train torch in float32; a tensor's tolerance is at least torch "
                          "float32's own relative L2 distance from float64 on it, times --noise-factor")
-    ap.add_argument("--noise-factor", type=float, default=3.0)
     ap.add_argument("--precision", choices=["f32", "bf16"], default="f32",
                     help="bf16: shardstep --precision bf16 against the bf16 matmul oracle (bf16_matmul.py; torch "
                          "float64 accumulating, teacher-forced, tolerance from torch float32's own steps, see bf16_teacher_forced); "
                          "also checks that plain float steps fall outside that tolerance")
-    ap.add_argument("--bf16-floor", type=float, default=1e-5,
-                    help="with --precision bf16: the smallest tolerance of an increment (relative L2)")
-    ap.add_argument("--bf16-quantile", type=float, default=0.25,
-                    help="with --precision bf16: the quantile over the steps compared (see bf16_teacher_forced)")
-    ap.add_argument("--bf16-loss-floor", type=float, default=1e-6,
-                    help="with --precision bf16: the smallest tolerance of the loss (relative)")
+    bf16_matmul.add_teacher_forced_args(ap)
     ap.add_argument("--mutate-site", default="h0.q",
                     help="the matmul site of --mutate bf16-*: h{i}.q|k|v|o|fc1|fc2|scores|pv or logits")
     ap.add_argument("--mutate", choices=["lr", "lr1pc", "weight", "init", "dropout", "mask-local", "bf16-fwd",
