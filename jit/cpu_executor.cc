@@ -34,6 +34,12 @@ TensorMap CpuExecutor::RunReplica(int r, const TensorMap& global_inputs, TensorM
   return step_->Run(state, global_inputs, r, c, &s_->workspaces[r], num_replicas());
 }
 
+void CpuExecutor::RunReplicaInto(int r, const TensorMap& global_inputs, TensorMap& state, runtime::Collectives* c,
+                                 TensorMap* outputs) {
+  ConfigureThreadsForReplica(num_replicas());
+  step_->Run(state, global_inputs, r, c, &s_->workspaces[r], num_replicas(), outputs);
+}
+
 TensorMap CpuExecutor::Forward(const ir::Module& forward, const TensorMap& inputs) {
   std::lock_guard<std::mutex> lock(s_->forward_mu);
   const std::string text = ir::Print(forward);

@@ -29,6 +29,9 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
  protected:
   runtime::TensorMap RunReplica(int r, const runtime::TensorMap& global_inputs, runtime::TensorMap& state,
                                 runtime::Collectives* c) override;
+  // Overwrites the replica's output tensors in place (CompiledStep::Run into a kept map).
+  void RunReplicaInto(int r, const runtime::TensorMap& global_inputs, runtime::TensorMap& state,
+                      runtime::Collectives* c, runtime::TensorMap* outputs) override;
 
  private:
   struct State;

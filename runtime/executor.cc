@@ -70,7 +70,9 @@ ReplicatedExecutor::ReplicatedExecutor(const ir::Module& layout, const Collectiv
     : layout_(layout),
       n_(layout.num_replicas),
       collectives_((make_collectives ? make_collectives : InProcessCollectivesFactory())(layout.num_replicas)),
-      states_(n_) {
+      states_(n_),
+      outputs_(n_),
+      body_([this](int r) { RunReplicaInto(r, *step_inputs_, states_[r], collectives_.get(), &outputs_[r]); }) {
   if (!collectives_ || collectives_->num_replicas() != n_)
     throw Error(Str("the backend's collectives serve ", collectives_ ? collectives_->num_replicas() : 0,
                     " replicas; the step module \"", layout.name, "\" has ", n_));
@@ -86,22 +88,26 @@ void ReplicatedExecutor::SetPhaseTiming(bool on) {
   if (auto* in_process = dynamic_cast<InProcessCollectives*>(collectives_.get())) in_process->set_phase_timing(on);
 }
 
+void ReplicatedExecutor::RunAll(const TensorMap& global_inputs) {
+  if (!pool_) pool_ = std::make_unique<ReplicaPool>(n_);
+  step_inputs_ = &global_inputs;
+  pool_->Run(collectives_.get(), body_);
+  step_inputs_ = nullptr;
+}
+
 std::vector<TensorMap> ReplicatedExecutor::StepReplicas(const TensorMap& global_inputs) {
   if (n_ == 1) return {RunReplica(0, global_inputs, states_[0], nullptr)};  // no thread hop
-  std::vector<TensorMap> outputs(n_);
-  if (!pool_) pool_ = std::make_unique<ReplicaPool>(n_);
-  Collectives* c = collectives_.get();
-  pool_->Run(c, [&](int r) { outputs[r] = RunReplica(r, global_inputs, states_[r], c); });
-  return outputs;
+  RunAll(global_inputs);
+  return outputs_;  // copies: the caller's
 }
 
 TensorMap ReplicatedExecutor::Step(const TensorMap& global_inputs) {
   if (n_ == 1) return RunReplica(0, global_inputs, states_[0], nullptr);  // no thread hop
-  std::vector<TensorMap> outputs = StepReplicas(global_inputs);
-  TensorMap out = std::move(outputs[0]);
+  RunAll(global_inputs);
+  TensorMap out = outputs_[0];  // the one copy a step makes: the caller's outputs
   if (out.count("loss")) {
     double sum = 0;
-    for (int r = 0; r < n_; ++r) sum += (r == 0 ? out : outputs[r]).at("loss").f32[0];
+    for (int r = 0; r < n_; ++r) sum += outputs_[r].at("loss").f32[0];
     out["loss"].f32[0] = static_cast<float>(sum / n_);
   }
   return out;

@@ -75,6 +75,13 @@ class ReplicatedExecutor : public Executor {
   // Replica r's part of one step: its chunk of `global_inputs` along dimension 0, its `state`;
   // `c` is null for a single replica.
   virtual TensorMap RunReplica(int r, const TensorMap& global_inputs, TensorMap& state, Collectives* c) = 0;
+  // The same, writing the outputs into `outputs`, replica r's map kept from step to step (with N > 1).
+  // Default: RunReplica's. A backend that overwrites the tensors in place makes the step allocate
+  // nothing but the outputs Step returns.
+  virtual void RunReplicaInto(int r, const TensorMap& global_inputs, TensorMap& state, Collectives* c,
+                              TensorMap* outputs) {
+    *outputs = RunReplica(r, global_inputs, state, c);
+  }
   int num_replicas() const { return n_; }
   Collectives& collectives() { return *collectives_; }
 
@@ -83,6 +90,12 @@ class ReplicatedExecutor : public Executor {
   int n_;
   std::unique_ptr<Collectives> collectives_;
   std::vector<TensorMap> states_;
+  // With N > 1: each replica's outputs of the last step (reused), and the body the pool runs, made
+  // once (it captures only `this`, so running it allocates nothing); step_inputs_ is the current batch.
+  void RunAll(const TensorMap& global_inputs);
+  std::vector<TensorMap> outputs_;
+  const TensorMap* step_inputs_ = nullptr;
+  std::function<void(int)> body_;
   std::unique_ptr<ReplicaPool> pool_;  // last: its threads stop before the rest goes
 };
 
