@@ -11,10 +11,13 @@
 #include <tbb/task_arena.h>
 #include <unistd.h>
 
+#include <oneapi/dnnl/dnnl.hpp>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <random>
@@ -34,6 +37,7 @@
 #include "jit/cpu_executor.h"
 #include "jit/dnnl_kernels.h"
 #include "models/models.h"
+#include "models/transformer.h"
 #include "runtime/sharding.h"
 
 using namespace shardstep;
@@ -262,10 +266,143 @@ Row BenchModel(const std::string& name, std::vector<Torch*> torches, int rounds,
   return {name, Median(jit_ms), *std::min_element(each.begin(), each.end()), StepFlops(p.step) / 1e9, cpu / wall, each};
 }
 
+// --bf16: the same binary's steps at --precision f32 and bf16 (MLP 784-1024-1024-10 batch 128 Adam;
+// transformer_lm at configs/transformer_lm.toml's shape, batch 32, Adam), measured alternately.
+runtime::TensorMap RandomBatch(const ir::Module& step, int32_t classes) {
+  runtime::TensorMap batch;
+  std::mt19937 rng(1);
+  std::normal_distribution<float> nd;
+  for (const ir::Instr& in : step.instrs) {
+    if (in.op != ir::OpCode::kInput) continue;
+    runtime::Tensor t(in.type);
+    for (float& x : t.f32) x = nd(rng);
+    for (int32_t& x : t.s32) x = static_cast<int32_t>(rng() % classes);
+    batch[in.name] = std::move(t);
+  }
+  return batch;
+}
+
+struct PrecisionPair {
+  std::vector<std::unique_ptr<dsl::Model>> models;  // kept alive beside their sessions
+  std::unique_ptr<Session> f32, bf16;
+  runtime::TensorMap batch;
+};
+
+PrecisionPair MakePair(const std::string& name) {
+  PrecisionPair pp;
+  for (const char* prec : {"f32", "bf16"}) {
+    auto m = std::make_unique<dsl::Model>(name, 1);
+    models::ModelOptions mo;
+    dsl::Tensor loss;
+    int32_t classes = 10;
+    if (name == "mlp") {
+      mo.batch = 128;
+      mo.hidden = {1024, 1024};
+      loss = models::DefineMlp(*m, mo);
+    } else {
+      mo.batch = 32;
+      mo.context = 128;
+      mo.layers = 4;
+      mo.width = 128;
+      mo.heads = 4;
+      mo.mlp_width = 512;
+      mo.vocab = classes = 80;
+      loss = models::DefineTransformerLm(*m, mo);
+    }
+    dsl::Program p = m->train(loss).optimizer(dsl::Adam().lr(1e-3)).precision(prec).replicas(1).build();
+    auto s = std::make_unique<Session>(*m, p, "cpu");
+    if (pp.batch.empty()) pp.batch = RandomBatch(p.step, classes);
+    (std::string(prec) == "f32" ? pp.f32 : pp.bf16) = std::move(s);
+    pp.models.push_back(std::move(m));
+  }
+  return pp;
+}
+
+// Bare GEMMs at the shapes of the MLP's matmuls (forward, input gradient, weight gradient), 2 OpenMP
+// threads: oneDNN sgemm vs oneDNN bf16 matmul on bf16 data; and as a step runs them (TBB row blocks,
+// ParallelSgemm vs ParallelBf16Matmul with its f32 -> bf16 conversion). Milliseconds per set.
+void GemmCompare() {
+  struct G {
+    bool ta, tb;
+    int64_t m, n, k;
+  };
+  const std::vector<G> shapes = {{false, false, 128, 1024, 784},  {false, false, 128, 1024, 1024},
+                                 {false, false, 128, 10, 1024},   {false, true, 128, 1024, 1024},
+                                 {false, true, 128, 1024, 10},    {true, false, 784, 1024, 128},
+                                 {true, false, 1024, 1024, 128},  {true, false, 1024, 10, 128}};
+  const dnnl::engine eng(dnnl::engine::kind::cpu, 0);
+  dnnl::stream strm(eng);
+  double t_sgemm = 0, t_bf16 = 0, t_split = 0, t_split_bf16 = 0;
+  auto time = [](const std::function<void()>& f) {
+    for (int i = 0; i < 3; ++i) f();
+    std::vector<double> t;
+    for (int i = 0; i < 20; ++i) {
+      auto t0 = Clock::now();
+      f();
+      t.push_back(Seconds(t0, Clock::now()));
+    }
+    return Median(t);
+  };
+  for (const G& g : shapes) {
+    const int64_t lda = g.ta ? g.m : g.k, ldb = g.tb ? g.k : g.n;
+    std::vector<float> a(g.m * g.k, 0.5f), b(g.k * g.n, 0.25f), c(g.m * g.n);
+    std::vector<uint16_t> ha(a.size(), 0x3f00), hb(b.size(), 0x3e80);
+    jit::SetOmpThreads(jit::NumCores());
+    using dnnl::memory;
+    memory::desc ma({g.m, g.k}, memory::data_type::bf16, g.ta ? memory::dims{1, lda} : memory::dims{lda, 1});
+    memory::desc mb({g.k, g.n}, memory::data_type::bf16, g.tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
+    memory::desc mc({g.m, g.n}, memory::data_type::f32, memory::dims{g.n, 1});
+    dnnl::matmul mm(dnnl::matmul::primitive_desc(dnnl::matmul::desc(ma, mb, mc), eng));
+    memory xa(ma, eng, ha.data()), xb(mb, eng, hb.data()), xc(mc, eng, c.data());
+    t_sgemm += time([&] { jit::DnnlSgemm(g.ta, g.tb, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, 0.0f, c.data(), g.n); });
+    t_bf16 += time([&] {
+      mm.execute(strm, {{DNNL_ARG_SRC, xa}, {DNNL_ARG_WEIGHTS, xb}, {DNNL_ARG_DST, xc}});
+      strm.wait();
+    });
+    jit::SetOmpThreads(1);
+    t_split += time([&] { jit::ParallelSgemm(g.ta, g.tb, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, c.data()); });
+    t_split_bf16 += time([&] {
+      jit::ParallelBf16Matmul(g.ta, g.tb, 1, g.m, g.n, g.k, a.data(), lda, 0, b.data(), ldb, 0, c.data());
+    });
+  }
+  std::cout << std::fixed << std::setprecision(3) << "the MLP's 8 matmuls, ms per set (medians of 20): oneDNN sgemm "
+            << t_sgemm * 1e3 << ", oneDNN bf16 matmul " << t_bf16 * 1e3 << " (ratio " << t_bf16 / t_sgemm
+            << "); as the step runs them: ParallelSgemm " << t_split * 1e3 << ", ParallelBf16Matmul (with conversion) "
+            << t_split_bf16 * 1e3 << " (ratio " << t_split_bf16 / t_split << ")\n";
+}
+
+int PrecisionCompare(int rounds) {
+  jit::ConfigureThreadsForReplica(1);
+  const int k = 5;
+  std::cout << "f32 vs bf16 steps, same binary, alternately, " << rounds << " rounds x " << k << " steps\n";
+  for (const char* name : {"mlp", "transformer_lm"}) {
+    PrecisionPair pp = MakePair(name);
+    for (int i = 0; i < 3; ++i) {
+      pp.f32->Step(pp.batch);
+      pp.bf16->Step(pp.batch);
+    }
+    std::vector<double> f, h;
+    for (int r = 0; r < rounds; ++r)
+      for (auto [s, v] : {std::pair{pp.f32.get(), &f}, std::pair{pp.bf16.get(), &h}}) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        for (int i = 0; i < k; ++i) {
+          auto t0 = Clock::now();
+          s->Step(pp.batch);
+          v->push_back(Seconds(t0, Clock::now()) * 1e3);
+        }
+      }
+    std::cout << std::fixed << std::setprecision(2) << "  " << name << ": f32 " << Median(f) << " ms, bf16 "
+              << Median(h) << " ms, ratio " << std::setprecision(3) << Median(h) / Median(f) << " (target <= 0.65)\n";
+  }
+  GemmCompare();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
+    if (argc > 1 && std::string(argv[1]) == "--bf16") return PrecisionCompare(argc > 2 ? std::atoi(argv[2]) : 6);
     const int rounds = argc > 1 ? std::atoi(argv[1]) : 8;
     // Optional second argument: cap shardstep's threads (TBB) to measure its best setting on a busy machine.
     const int threads = argc > 2 ? std::atoi(argv[2]) : jit::NumCores();

@@ -19,7 +19,7 @@
 //     assignment (`@a = @b; @b = @a`, a reshape of a variable) is read before it is overwritten, and
 //     a cycle of such reads goes through a staging buffer (jit/buffer_plan.h SequenceAssignments).
 // Lowering of the non-fused ops: matmul -> oneDNN sgemm (batched: one per batch element,
-// jit/native_ops.h); broadcast, transpose, slice, pad, concat -> strided copies; reductions and
+// jit/native_ops.h), or oneDNN bf16 matmul when both operands are bf16-rounded (Bf16Operands); broadcast, transpose, slice, pad, concat -> strided copies; reductions and
 // gather -> native loops with the interpreter's summation order; conv2d and its gradients -> oneDNN
 // convolution primitives or im2col + oneDNN sgemm per image, chosen per shape at planning
 // (jit/dnnl_conv.h), max pooling -> native loops (jit/cpu_kernels.h); avg pooling, scatter-add,
@@ -83,19 +83,23 @@ int FusionGroup(const ir::Instr& in) { return static_cast<int>(in.GetInt(ir::kFu
 
 runtime::Reduction ReductionOf(const ir::Instr& in) { return runtime::ParseReduction(in.GetString("reduction", "sum")); }
 
-runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int replica, runtime::Collectives* c) {
+// Replica `replica`'s group of collective `in`, found once at planning; the checks that depend on
+// the collectives passed to Run are made per call (CheckGroup).
+runtime::ReplicaGroup GroupOf(const ir::Module& m, const ir::Instr& in, int replica) {
   for (const auto& group : ir::ReplicaGroups(in, m.num_replicas)) {
     if (std::find(group.begin(), group.end(), replica) == group.end()) continue;
     if (in.Has("group_size") && in.GetInt("group_size") != static_cast<int64_t>(group.size()))
       throw Error(Str("group_size ", in.GetInt("group_size"), " but replica ", replica, "'s group has ", group.size(),
                       " members"));
-    if (!c && group.size() != 1) throw Error(Str("a group of ", group.size(), " replicas needs a Collectives implementation"));
-    if (c && !ir::IsFloat(in.type.dtype))
-      throw Error(Str("the Collectives interface carries f32 (and bf16 widened to f32) only, got ",
-                      in.type.ToString()));
     return group;
   }
   throw Error(Str("replica ", replica, " is in none of the replica groups"));
+}
+
+void CheckGroup(const ir::Instr& in, const runtime::ReplicaGroup& group, runtime::Collectives* c) {
+  if (!c && group.size() != 1) throw Error(Str("a group of ", group.size(), " replicas needs a Collectives implementation"));
+  if (c && !ir::IsFloat(in.type.dtype))
+    throw Error(Str("the Collectives interface carries f32 (and bf16 widened to f32) only, got ", in.type.ToString()));
 }
 
 // The leaf's storage; with parts > 1 the map holds the global batch (dimension 0 scaled by parts)
@@ -134,15 +138,10 @@ std::map<std::string, std::shared_ptr<const CompiledStep>>& MemoryCache() {
   return cache;
 }
 
-// collective_permute: this replica's target and source in the pairs (-1: none); the operand goes to
+// collective_permute: this replica's target and source in the pairs (-1: none, PlanRoutes); the operand goes to
 // the target, the source's operand (or zeros) comes back. bf16 travels widened to f32, as in the
 // other collectives.
-void RunPermute(const ir::Instr& in, const void* x, void* out, int replica, runtime::Collectives* c) {
-  int to = -1, from = -1;
-  for (const auto& p : in.GetIntLists("pairs")) {
-    if (p.at(0) == replica) to = static_cast<int>(p[1]);
-    if (p.at(1) == replica) from = static_cast<int>(p[0]);
-  }
+void RunPermute(const ir::Instr& in, const void* x, void* out, int replica, int to, int from, runtime::Collectives* c) {
   const int64_t n = in.type.elements();
   if (to < 0 && from < 0) {
     std::memset(out, 0, in.type.bytes());
@@ -170,6 +169,20 @@ void RunPermute(const ir::Instr& in, const void* x, void* out, int replica, runt
 
 }  // namespace
 
+namespace {
+// An f32 matmul whose operands are both convert(convert(x, bf16), f32) (the mixed-precision pass's
+// rounding): it runs as oneDNN bf16 x bf16 -> f32 (jit/dnnl_kernels.h ParallelBf16Matmul), not sgemm.
+bool Bf16Operands(const ir::Module& m, const ir::Instr& in) {
+  if (in.op != OpCode::kMatmul || in.type.dtype != DType::kF32) return false;
+  for (ValueId o : in.operands) {
+    const ir::Instr& x = m.at(o);
+    if (x.op != OpCode::kConvert || x.type.dtype != DType::kF32 || m.type(x.operands[0]).dtype != DType::kBF16)
+      return false;
+  }
+  return true;
+}
+}  // namespace
+
 Lowering LoweringOf(const ir::Module& m, ValueId v) {
   const ir::Instr& in = m.at(v);
   if (ir::HasProperty(in.op, ir::kLeaf)) return Lowering::kLeaf;
@@ -180,7 +193,7 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
   if (bf16 && in.op != OpCode::kReshape && !ir::HasProperty(in.op, ir::kCollective)) return Lowering::kReference;
   switch (in.op) {
     case OpCode::kReshape: return Lowering::kAlias;
-    case OpCode::kMatmul: return in.type.rank() == 2 ? Lowering::kMatmul : Lowering::kNative;
+    case OpCode::kMatmul: return in.type.rank() == 2 && !Bf16Operands(m, in) ? Lowering::kMatmul : Lowering::kNative;
     case OpCode::kAllReduce:
     case OpCode::kReduceScatter:
     case OpCode::kAllGather:
@@ -381,7 +394,33 @@ void CompiledStep::Plan() {
     }
     driver_steps_.push_back(d);
   }
+  PlanRoutes();
   PlanBuffers();
+}
+
+void CompiledStep::PlanRoutes() {
+  routes_.assign(m_.size(), {});
+  for (ValueId v = 0; v < m_.size(); ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (!ir::HasProperty(in.op, ir::kCollective)) continue;
+    auto& routes = routes_[v];
+    routes.resize(std::max(m_.num_replicas, 1));
+    for (int r = 0; r < static_cast<int>(routes.size()); ++r) {
+      Route& route = routes[r];
+      if (in.op == OpCode::kCollectivePermute) {
+        for (const auto& p : in.GetIntLists("pairs")) {
+          if (p.at(0) == r) route.to = static_cast<int>(p[1]);
+          if (p.at(1) == r) route.from = static_cast<int>(p[0]);
+        }
+        continue;
+      }
+      try {
+        route.group = GroupOf(m_, in, r);
+      } catch (const std::exception& e) {  // reported when the step runs, as before
+        route.error = e.what();
+      }
+    }
+  }
 }
 
 void CompiledStep::PlanBuffers() {
@@ -545,8 +584,11 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       return;
     }
     case Lowering::kCollective: {
-      if (in.op == OpCode::kCollectivePermute) return RunPermute(in, P(0), out, replica, c);
-      const runtime::ReplicaGroup group = GroupOf(m_, in, replica, c);
+      const Route& route = routes_[v][replica];
+      if (in.op == OpCode::kCollectivePermute) return RunPermute(in, P(0), out, replica, route.to, route.from, c);
+      if (!route.error.empty()) throw Error(route.error);
+      const runtime::ReplicaGroup& group = route.group;
+      CheckGroup(in, group, c);
       const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
       if (!c) {
         std::memcpy(out, P(0), in.type.bytes());
@@ -693,7 +735,18 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       else AvgPoolGrad(PoolShapeOf(in.type.shape, in), x, y);
       return;
     }
-    case OpCode::kMatmul:  // batched (rank >= 3), or bf16 at any rank
+    case OpCode::kMatmul:  // batched (rank >= 3), bf16-valued operands (Bf16Operands), or bf16 at any rank
+      if (Bf16Operands(m_, in)) {
+        const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
+        const Shape &a = shape(0), &b = shape(1);
+        const size_t r = a.size();
+        const int64_t mm = in.type.shape[r - 2], nn = in.type.shape[r - 1], k = ta ? a[r - 2] : a[r - 1];
+        int64_t batches = 1;
+        for (size_t d = 0; d + 2 < r; ++d) batches *= a[d];
+        ParallelBf16Matmul(ta, tb, batches, mm, nn, k, static_cast<const float*>(P(0)), a[r - 1], a[r - 2] * a[r - 1],
+                           static_cast<const float*>(P(1)), b[r - 1], b[r - 2] * b[r - 1], static_cast<float*>(out));
+        return;
+      }
       if (in.type.dtype == DType::kBF16) {  // widen (exact), f32 sgemm, round to nearest even
         auto widen = [&](int i) {
           const uint16_t* h = static_cast<const uint16_t*>(P(i));
@@ -734,6 +787,13 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
 
 TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replica, runtime::Collectives* c,
                             Workspace* ws, int batch_parts) const {
+  TensorMap outputs;
+  Run(variables, inputs, replica, c, ws, batch_parts, &outputs);
+  return outputs;
+}
+
+void CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replica, runtime::Collectives* c,
+                       Workspace* ws, int batch_parts, TensorMap* outputs) const {
   if (replica < 0 || replica >= m_.num_replicas)
     throw Error(Str("replica ", replica, " out of range [0,", m_.num_replicas, ")"));
   if (c && c->num_replicas() != m_.num_replicas)
@@ -756,14 +816,14 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
   ctx.ws = ws;
   ctx.batch_parts = batch_parts;
   if (driver_(&ctx) != 0) std::rethrow_exception(ctx.error);
-  TensorMap outputs;
   for (const auto& [name, v] : m_.outputs) {
-    Tensor t(m_.type(v));
+    const ir::TensorType& type = m_.type(v);
+    auto it = outputs->find(name);
+    if (it == outputs->end() || !(it->second.type == type)) it = outputs->insert_or_assign(name, Tensor(type)).first;
+    Tensor& t = it->second;
     if (t.bytes() != 0) std::memcpy(t.raw(), ws->ptr[v], t.bytes());  // an empty output has no storage (null)
-    outputs[name] = std::move(t);
   }
   Assign(variables, ws);
-  return outputs;
 }
 
 // Assignments see the values from before the step: all were computed above, and PlanAssignments

@@ -73,6 +73,10 @@ class CompiledStep {
   // dimension 0 in place (no per-step copy).
   runtime::TensorMap Run(runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                          runtime::Collectives* collectives, Workspace* ws, int batch_parts = 1) const;
+  // The same, writing the outputs into `outputs`: a tensor already there with the output's name and
+  // type is overwritten in place, so a map kept from step to step makes the step allocate nothing.
+  void Run(runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
+           runtime::Collectives* collectives, Workspace* ws, int batch_parts, runtime::TensorMap* outputs) const;
 
  private:
   struct Step {
@@ -86,6 +90,7 @@ class CompiledStep {
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                 runtime::Collectives* c, Workspace* ws, int batch_parts) const;
   void Allocate(Workspace* ws) const;
+  void PlanRoutes();
   void PlanAssignments();
   void Assign(runtime::TensorMap& variables, Workspace* ws) const;
 
@@ -106,6 +111,14 @@ class CompiledStep {
   int64_t staging_bytes_ = 0;
   std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
   std::shared_ptr<JitCompiler> jit_;
+  // Per collective value, per replica: its replica group resolved once at planning (or why it has
+  // none, reported when the step runs), and a collective_permute's target and source (-1: none).
+  struct Route {
+    runtime::ReplicaGroup group;
+    std::string error;
+    int to = -1, from = -1;
+  };
+  std::vector<std::vector<Route>> routes_;
   std::vector<std::shared_ptr<const ConvKernel>> conv_;  // per value: its convolution, planned (jit/dnnl_conv.h)
 };
 

@@ -6,7 +6,14 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <array>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
 #include <thread>
+#include <vector>
 
 #include "ir/error.h"
 
@@ -43,15 +50,25 @@ void SetOmpThreads(int n) {
   if (SetThreads f = OmpSet()) f(std::max(1, n));
 }
 
-void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                   int64_t ldb, float* c) {
-  // About 2M multiply-adds per block at least, at most 8 blocks, rows a multiple of 8.
+namespace {
+// Row blocks of an m x n x k product: about 2M multiply-adds per block at least, at most 8 blocks,
+// rows a multiple of 8. They depend only on the shapes, so the results do not depend on the threads.
+struct RowBlocks {
+  int64_t rows, count;
+};
+RowBlocks BlocksOf(int64_t m, int64_t n, int64_t k) {
   const int64_t work = m * n * k;
   int64_t blocks = std::clamp<int64_t>(work >> 21, 1, 8);
   blocks = std::min<int64_t>(blocks, std::max<int64_t>(1, m / 8));
   int64_t rows = (m + blocks - 1) / blocks;
   rows = (rows + 7) / 8 * 8;
-  blocks = (m + rows - 1) / rows;
+  return {rows, std::max<int64_t>(1, (m + rows - 1) / rows)};
+}
+}  // namespace
+
+void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, float* c) {
+  const auto [rows, blocks] = BlocksOf(m, n, k);
   auto run = [&](int64_t blk) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
@@ -63,6 +80,141 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
     return;
   }
   tbb::parallel_for(int64_t{0}, blocks, run);
+}
+
+namespace {
+
+const dnnl::engine& Engine() {
+  static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+// One block shape's bf16 x bf16 -> f32 matmul, built on a thread with one OpenMP thread (oneDNN sizes
+// its partitioning and scratchpad by the threads at creation) and user scratchpad mode.
+struct Bf16Matmul {
+  dnnl::memory::desc a, b, c;
+  dnnl::matmul prim;
+  size_t scratch = 0;
+};
+
+std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
+                                                int64_t ldb) {
+  using dnnl::memory;
+  static std::mutex mu;
+  static std::map<std::array<int64_t, 7>, std::shared_ptr<const Bf16Matmul>> cache;
+  const std::array<int64_t, 7> key{ta, tb, m, n, k, lda, ldb};
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+  auto p = std::make_shared<Bf16Matmul>();
+  p->a = memory::desc({m, k}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
+  p->b = memory::desc({k, n}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
+  p->c = memory::desc({m, n}, memory::data_type::f32, memory::dims{n, 1});
+  try {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p->a, p->b, p->c), attr, Engine());
+    p->prim = dnnl::matmul(pd);
+    p->scratch = pd.scratchpad_desc().get_size();
+  } catch (const dnnl::error& e) {
+    throw Error(Str("oneDNN refused the bf16 matmul ", m, "x", n, "x", k, " (transpose ", ta, tb, "): ", e.what()));
+  }
+  cache.emplace(key, p);
+  return p;
+}
+
+dnnl_stream_t ThreadStream() {
+  struct Stream {
+    dnnl_stream_t s = nullptr;
+    Stream() {
+      const dnnl_status_t st = dnnl_stream_create(&s, Engine().get(), dnnl_stream_default_flags);
+      SS_CHECK(st == dnnl_success, "oneDNN stream creation failed with status ", static_cast<int>(st));
+    }
+    ~Stream() { dnnl_stream_destroy(s); }
+  };
+  thread_local Stream s;
+  return s.s;
+}
+
+// Round to nearest even: exact (the top half) for the bf16 values this is meant for.
+void ToBf16(const float* x, int64_t count, uint16_t* y) {
+  tbb::parallel_for(int64_t{0}, (count + (1 << 16) - 1) >> 16, [&](int64_t chunk) {
+    const int64_t i0 = chunk << 16, i1 = std::min(count, i0 + (int64_t{1} << 16));
+    for (int64_t i = i0; i < i1; ++i) {
+      uint32_t u;
+      std::memcpy(&u, x + i, 4);
+      y[i] = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  });
+}
+
+// The converted operands of the calling thread's ParallelBf16Matmul calls, one pair per nesting level
+// (a thread waiting in tbb::parallel_for may run another call's task): grown only.
+struct Bf16Operands {
+  std::vector<uint16_t> a, b;
+};
+struct OperandsScope {
+  static thread_local std::vector<std::unique_ptr<Bf16Operands>> stack;
+  static thread_local size_t depth;
+  Bf16Operands* ops;
+  OperandsScope() {
+    if (stack.size() <= depth) stack.push_back(std::make_unique<Bf16Operands>());
+    ops = stack[depth++].get();
+  }
+  ~OperandsScope() { --depth; }
+};
+thread_local std::vector<std::unique_ptr<Bf16Operands>> OperandsScope::stack;
+thread_local size_t OperandsScope::depth = 0;
+
+// Per thread, 64-byte aligned, grown only: oneDNN's scratchpad for one block (no waits inside a block).
+char* Scratch(size_t bytes) {
+  thread_local std::vector<char> v;
+  if (v.size() < bytes + 64) v.resize(bytes + 64);
+  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+  return v.data() + (64 - p % 64) % 64;
+}
+
+}  // namespace
+
+void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a,
+                        int64_t lda, int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c) {
+  if (batches == 0 || m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill(c, c + batches * m * n, 0.0f);
+    return;
+  }
+  OperandsScope scope;
+  const int64_t na = (batches - 1) * sa + (ta ? k : m) * lda, nb = (batches - 1) * sb + (tb ? n : k) * ldb;
+  if (static_cast<int64_t>(scope.ops->a.size()) < na) scope.ops->a.resize(na);
+  if (static_cast<int64_t>(scope.ops->b.size()) < nb) scope.ops->b.resize(nb);
+  uint16_t *ha = scope.ops->a.data(), *hb = scope.ops->b.data();
+  ToBf16(a, na, ha);
+  ToBf16(b, nb, hb);
+  const auto [rows, blocks] = BlocksOf(m, n, k);
+  auto run = [&](int64_t task) {
+    thread_local const bool single = (SetOmpThreads(1), true);
+    (void)single;
+    const int64_t bt = task / blocks, r0 = (task % blocks) * rows, mb = std::min(rows, m - r0);
+    const auto p = Bf16Primitive(ta, tb, mb, n, k, lda, ldb);
+    const dnnl::memory ma(p->a, Engine(), ha + bt * sa + (ta ? r0 : r0 * lda));
+    const dnnl::memory mbm(p->b, Engine(), hb + bt * sb);
+    const dnnl::memory mc(p->c, Engine(), c + bt * m * n + r0 * n);
+    dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, ma.get()}, {DNNL_ARG_WEIGHTS, mbm.get()}, {DNNL_ARG_DST, mc.get()},
+                              {DNNL_ARG_SCRATCHPAD, nullptr}};
+    dnnl::memory ms;
+    if (p->scratch > 0) {
+      ms = dnnl::memory(dnnl::memory::desc({static_cast<int64_t>(p->scratch)}, dnnl::memory::data_type::u8,
+                                           dnnl::memory::format_tag::a),
+                        Engine(), Scratch(p->scratch));
+      args[3].memory = ms.get();
+    }
+    const dnnl_status_t st = dnnl_primitive_execute(p->prim.get(), ThreadStream(), p->scratch > 0 ? 4 : 3, args);
+    SS_CHECK(st == dnnl_success, "oneDNN bf16 matmul failed with status ", static_cast<int>(st));
+  };
+  if (batches * blocks == 1) {
+    run(0);
+    return;
+  }
+  tbb::parallel_for(int64_t{0}, batches * blocks, run);
 }
 
 void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,

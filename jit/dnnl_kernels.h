@@ -16,6 +16,16 @@ void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a
 void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                    int64_t ldb, float* c);
 
+// C = op(A) op(B) for operands holding bf16 values (f32 whose low 16 bits are zero: the
+// mixed-precision pass's rounded operands) as oneDNN bf16 x bf16 -> f32 matmuls (AVX512-BF16 where the
+// CPU has it): exact products, f32 accumulation, as the f32 sgemm on the same values up to the order
+// of the sums and denormals (flushed). The operands are converted to bf16 (exactly) once per call, then
+// `batches` independent products (A, B, C advanced by sa, sb, m*n elements) are split into row blocks
+// that depend only on the shapes, each one oneDNN call on one OpenMP thread in a TBB task; the
+// primitives are built at the first call per block shape and cached for the process.
+void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a,
+                        int64_t lda, int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c);
+
 // Threading policy. Debian's libdnnl uses OpenMP (libgomp), whose workers spin after each parallel
 // call and were seen taking half the machine from TBB. So every oneDNN call made by a step runs
 // with one OpenMP thread (omp_set_num_threads is per calling thread; ParallelSgemm sets it in each
