@@ -10,6 +10,7 @@
 // the blocked weights carry no padding, which oneDNN would rewrite when a block binds them; else each
 // block reorders them itself).
 #include "jit/dnnl_conv.h"
+#include "jit/dnnl_runtime.h"
 
 #include <tbb/parallel_for.h>
 
@@ -30,10 +31,7 @@ namespace {
 using dnnl::memory;
 using Tag = memory::format_tag;
 
-const dnnl::engine& Engine() {
-  static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
-  return e;
-}
+const dnnl::engine& Engine() { return DnnlEngine(); }
 
 constexpr int64_t kFilterGradGroups = 8;  // as Conv2dFilterGrad: the same blocks of images
 
@@ -105,18 +103,7 @@ char* Weights(size_t bytes) {
   return Grown(v, bytes);
 }
 
-struct Stream {
-  dnnl_stream_t s = nullptr;
-  Stream() {
-    const dnnl_status_t st = dnnl_stream_create(&s, Engine().get(), dnnl_stream_default_flags);
-    SS_CHECK(st == dnnl_success, "oneDNN stream creation failed with status ", static_cast<int>(st));
-  }
-  ~Stream() { dnnl_stream_destroy(s); }
-};
-dnnl_stream_t ThreadStream() {
-  thread_local Stream s;
-  return s.s;
-}
+dnnl_stream_t ThreadStream() { return DnnlThreadStream(); }
 
 void Execute(const dnnl::primitive& p, std::initializer_list<dnnl_exec_arg_t> args) {
   // The C entry point: no argument map of our own per call.

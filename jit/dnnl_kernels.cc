@@ -1,5 +1,6 @@
 // oneDNN sgemm and the process threading policy (see dnnl_kernels.h).
 #include "jit/dnnl_kernels.h"
+#include "jit/dnnl_runtime.h"
 
 #include <dlfcn.h>
 #include <dnnl.h>
@@ -82,12 +83,27 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
   tbb::parallel_for(int64_t{0}, blocks, run);
 }
 
-namespace {
-
-const dnnl::engine& Engine() {
+const dnnl::engine& DnnlEngine() {
   static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
   return e;
 }
+
+dnnl_stream_t DnnlThreadStream() {
+  struct Stream {
+    dnnl_stream_t s = nullptr;
+    Stream() {
+      const dnnl_status_t st = dnnl_stream_create(&s, DnnlEngine().get(), dnnl_stream_default_flags);
+      SS_CHECK(st == dnnl_success, "oneDNN stream creation failed with status ", static_cast<int>(st));
+    }
+    ~Stream() { dnnl_stream_destroy(s); }
+  };
+  thread_local Stream s;
+  return s.s;
+}
+
+namespace {
+
+const dnnl::engine& Engine() { return DnnlEngine(); }
 
 // One block shape's bf16 x bf16 -> f32 matmul, built on a thread with one OpenMP thread (oneDNN sizes
 // its partitioning and scratchpad by the threads at creation) and user scratchpad mode.
@@ -122,18 +138,7 @@ std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int
   return p;
 }
 
-dnnl_stream_t ThreadStream() {
-  struct Stream {
-    dnnl_stream_t s = nullptr;
-    Stream() {
-      const dnnl_status_t st = dnnl_stream_create(&s, Engine().get(), dnnl_stream_default_flags);
-      SS_CHECK(st == dnnl_success, "oneDNN stream creation failed with status ", static_cast<int>(st));
-    }
-    ~Stream() { dnnl_stream_destroy(s); }
-  };
-  thread_local Stream s;
-  return s.s;
-}
+dnnl_stream_t ThreadStream() { return DnnlThreadStream(); }
 
 // Round to nearest even: exact (the top half) for the bf16 values this is meant for.
 void ToBf16(const float* x, int64_t count, uint16_t* y) {

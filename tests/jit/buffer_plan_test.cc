@@ -19,47 +19,7 @@
 #include "runtime/dataset.h"
 #include "runtime/sharding.h"
 
-namespace {
-
-// Allocations (count, and those of at least kLarge bytes) while `g_counting` is set, on any thread.
-// kLarge is below the MLP's smallest activation (its 32 x 10 logits, 1280 bytes).
-constexpr size_t kLarge = 1024;
-std::atomic<bool> g_counting{false};
-std::atomic<int64_t> g_allocs{0}, g_large{0}, g_bytes{0};
-
-[[maybe_unused]] void* Counted(size_t n, size_t align) {
-  if (g_counting.load(std::memory_order_relaxed)) {
-    ++g_allocs;
-    g_bytes += static_cast<int64_t>(n);
-    if (n >= kLarge) ++g_large;
-  }
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                                              : std::malloc(n ? n : 1);
-  if (!p) throw std::bad_alloc();
-  return p;
-}
-
-}  // namespace
-
-// Not under AddressSanitizer: it replaces operator new itself, and libLLVM's own new/delete pairs
-// would then be split between ASan's operators and these (an alloc-dealloc mismatch).
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kCountingAllocations = false;
-#else
-constexpr bool kCountingAllocations = true;
-void* operator new(size_t n) { return Counted(n, 0); }
-void* operator new[](size_t n) { return Counted(n, 0); }
-void* operator new(size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
-void* operator new[](size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-#endif
+#include "tests/jit/counting_new.h"
 
 using namespace shardstep;
 using jit::BufferRequest;

@@ -19,44 +19,7 @@
 #include "models/models.h"
 #include "runtime/sharding.h"
 
-namespace {
-
-constexpr size_t kLarge = 1024;
-std::atomic<bool> g_counting{false};
-std::atomic<int64_t> g_allocs{0}, g_large{0}, g_bytes{0};
-
-[[maybe_unused]] void* Counted(size_t n, size_t align) {
-  if (g_counting.load(std::memory_order_relaxed)) {
-    ++g_allocs;
-    g_bytes += static_cast<int64_t>(n);
-    if (n >= kLarge) ++g_large;
-  }
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                                              : std::malloc(n ? n : 1);
-  if (!p) throw std::bad_alloc();
-  return p;
-}
-
-}  // namespace
-
-// Not under AddressSanitizer (as tests/jit/buffer_plan_test.cc): it replaces operator new itself.
-#if defined(__SANITIZE_ADDRESS__)
-constexpr bool kCountingAllocations = false;
-#else
-constexpr bool kCountingAllocations = true;
-void* operator new(size_t n) { return Counted(n, 0); }
-void* operator new[](size_t n) { return Counted(n, 0); }
-void* operator new(size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
-void* operator new[](size_t n, std::align_val_t a) { return Counted(n, static_cast<size_t>(a)); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, size_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t) noexcept { std::free(p); }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-void operator delete[](void* p, size_t, std::align_val_t) noexcept { std::free(p); }
-#endif
+#include "tests/jit/counting_new.h"
 
 using namespace shardstep;
 using runtime::Tensor;
