@@ -4,8 +4,9 @@
 // block when the batch does not divide). Each block runs as a TBB task with one OpenMP thread: the
 // primitives are created with one OpenMP thread too, since oneDNN fixes its work split when it builds
 // a primitive. Each block's blocked operands and oneDNN's scratchpad (user mode: oneDNN allocates none)
-// live in the calling thread's buffer, which only grows; the memory objects over them are made per
-// block (small objects oneDNN allocates, as its execute does for its argument map). With blocked
+// live in the calling thread's buffer, which only grows; the memory objects over them are made at the
+// calling thread's first call, one set per block index, and re-pointed only when an operand's address
+// changes (a planned step's buffers keep theirs, so a step allocates nothing here). With blocked
 // layouts the weights are reordered once per call by the calling thread and read by every block (when
 // the blocked weights carry no padding, which oneDNN would rewrite when a block binds them; else each
 // block reorders them itself).
@@ -20,6 +21,8 @@
 #include <dnnl.hpp>
 #include <map>
 #include <mutex>
+#include <unordered_map>
+#include <atomic>
 #include <vector>
 
 #include "ir/error.h"
@@ -60,6 +63,7 @@ struct Block {
 }  // namespace
 
 struct ConvKernel::Impl {
+  uint64_t id = 0;            // unique per kernel: the key of the calling threads' memory objects
   int64_t per_block = 0;      // images per block
   std::vector<Block> blocks;  // [0]: per_block images; [1]: the remainder, when there is one
   std::string describe;
@@ -77,6 +81,7 @@ struct Mem {
     SS_CHECK(st == dnnl_success, "oneDNN memory creation failed with status ", static_cast<int>(st));
   }
   Mem(const Mem&) = delete;
+  Mem(Mem&& o) noexcept : m(o.m) { o.m = nullptr; }
   Mem& operator=(Mem&& o) noexcept {
     std::swap(m, o.m);
     return *this;
@@ -85,6 +90,46 @@ struct Mem {
     if (m) dnnl_memory_destroy(m);
   }
 };
+
+// A memory object over a fixed descriptor whose storage may move: made at the first Bind, re-pointed
+// (dnnl_memory_set_data_handle) only when the address differs from the last one.
+struct BoundMem {
+  Mem mem;
+  void* handle = nullptr;
+  dnnl_memory_t Bind(const memory::desc& md, void* h) {
+    if (!mem.m) {
+      mem = Mem(md, h);
+    } else if (h != handle) {
+      const dnnl_status_t st = dnnl_memory_set_data_handle(mem.m, h);
+      SS_CHECK(st == dnnl_success, "oneDNN set_data_handle failed with status ", static_cast<int>(st));
+    }
+    handle = h;
+    return mem.m;
+  }
+};
+
+// The memory objects of one block index: the operands as the step holds them and as the primitive
+// reads them, and the scratchpad.
+struct BlockMems {
+  BoundMem user[3], prim[3], scratch;
+};
+// The reorder of the shared weights, per block kind.
+struct WeightMems {
+  BoundMem from, to, scratch;
+};
+struct KernelMems {
+  std::vector<BlockMems> blocks;  // per block index of a call
+  WeightMems weights[2];
+};
+
+// Per calling (replica) thread and kernel, made at the thread's first call of the kernel; the TBB
+// tasks of one call each use their own block index's objects.
+KernelMems& MemsOf(uint64_t kernel_id, int64_t nblocks) {
+  thread_local std::unordered_map<uint64_t, KernelMems> mems;
+  KernelMems& k = mems[kernel_id];
+  if (static_cast<int64_t>(k.blocks.size()) < nblocks) k.blocks.resize(nblocks);
+  return k;
+}
 
 // Per calling (replica) thread, grown only, 64-byte aligned: every block's blocked operands and
 // scratchpad (Work: a slice per block, so TBB workers keep no state and a step after the first grows
@@ -103,12 +148,9 @@ char* Weights(size_t bytes) {
   return Grown(v, bytes);
 }
 
-dnnl_stream_t ThreadStream() { return DnnlThreadStream(); }
 
 void Execute(const dnnl::primitive& p, std::initializer_list<dnnl_exec_arg_t> args) {
-  // The C entry point: no argument map of our own per call.
-  const dnnl_status_t st = dnnl_primitive_execute(p.get(), ThreadStream(), static_cast<int>(args.size()), args.begin());
-  SS_CHECK(st == dnnl_success, "oneDNN convolution failed with status ", static_cast<int>(st));
+  DnnlExecute(p.get(), static_cast<int>(args.size()), args.begin(), "convolution");
 }
 
 void Reorder(const Arg& a, dnnl_memory_t from, dnnl_memory_t to, dnnl_memory_t scratch) {
@@ -224,11 +266,11 @@ ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g) {
 }
 
 ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g) {
-  static const bool onednn = [] {
+  static const bool im2col = [] {
     const char* e = std::getenv("SHARDSTEP_CONV");
-    return e && std::string(e) == "onednn";
+    return e && std::string(e) == "im2col";
   }();
-  return onednn ? PreferredConvPath(kind, g) : ConvPath::kIm2col;
+  return im2col ? ConvPath::kIm2col : PreferredConvPath(kind, g);
 }
 
 std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g) {
@@ -251,7 +293,9 @@ std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g)
 
 ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_(kind), g_(g), path_(path) {
   if (path == ConvPath::kIm2col) return;
+  static std::atomic<uint64_t> next_id{1};
   auto impl = std::make_shared<Impl>();
+  impl->id = next_id++;
   impl->per_block = ImagesPerBlock(kind, g);
   const OneOmpThread one;
   try {
@@ -321,6 +365,7 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
   size_t slice = 0;  // Work bytes per block
   for (const Block& blk : im.blocks) slice = std::max(slice, blk.work_bytes);
   char* const work_all = Work(slice * nblocks);
+  KernelMems& mems = MemsOf(im.id, nblocks);
   if (weight_bytes) {
     char* w = Weights(weight_bytes);
     const OneOmpThread one;  // the caller's own setting back afterwards
@@ -329,9 +374,9 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
       if (!blk.share_weights) continue;
       shared[k] = w;
       w += (blk.args[1].prim.get_size() + 63) / 64 * 64;
-      const Mem from(blk.args[1].user, const_cast<float*>(b)), to(blk.args[1].prim, shared[k]);
-      const Mem scratch(blk.scratch_md, work_all + blk.scratch_offset);
-      Reorder(blk.args[1], from.m, to.m, scratch.m);
+      WeightMems& wm = mems.weights[k];
+      Reorder(blk.args[1], wm.from.Bind(blk.args[1].user, const_cast<float*>(b)), wm.to.Bind(blk.args[1].prim, shared[k]),
+              wm.scratch.Bind(blk.scratch_md, work_all + blk.scratch_offset));
     }
   }
 
@@ -346,25 +391,24 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
     const size_t k = images == per ? 0 : 1;
     const Block& blk = im.blocks[k];
     char* work = work_all + blk_index * slice;
-    const Mem scratch(blk.scratch_md, work + blk.scratch_offset);
+    BlockMems& bm = mems.blocks[blk_index];
+    const dnnl_memory_t scratch = bm.scratch.Bind(blk.scratch_md, work + blk.scratch_offset);
     void* ptr[3] = {const_cast<float*>(a + first * a_img),
                     b_img ? const_cast<float*>(b + first * b_img) : const_cast<float*>(b),
                     parts ? parts + blk_index * ws : out + first * out_img};
-    Mem user[3], prim[3];
-    dnnl_memory_t bound[3];
+    dnnl_memory_t user[3], bound[3];
     for (int i = 0; i < 3; ++i) {
       const Arg& arg = blk.args[i];
-      user[i] = Mem(arg.user, ptr[i]);
-      bound[i] = user[i].m;
+      user[i] = bm.user[i].Bind(arg.user, ptr[i]);
+      bound[i] = user[i];
       if (!arg.reordered) continue;
       const bool shared_weights = arg.shared && blk.share_weights;
-      prim[i] = Mem(arg.prim, shared_weights ? shared[k] : work + blk.prim_offset[i]);
-      if (!shared_weights && !arg.output) Reorder(arg, user[i].m, prim[i].m, scratch.m);
-      bound[i] = prim[i].m;
+      bound[i] = bm.prim[i].Bind(arg.prim, shared_weights ? shared[k] : work + blk.prim_offset[i]);
+      if (!shared_weights && !arg.output) Reorder(arg, user[i], bound[i], scratch);
     }
     Execute(blk.conv, {{blk.args[0].id, bound[0]}, {blk.args[1].id, bound[1]}, {blk.args[2].id, bound[2]},
-                       {DNNL_ARG_SCRATCHPAD, scratch.m}});
-    if (blk.args[2].reordered) Reorder(blk.args[2], prim[2].m, user[2].m, scratch.m);
+                       {DNNL_ARG_SCRATCHPAD, scratch}});
+    if (blk.args[2].reordered) Reorder(blk.args[2], bound[2], user[2], scratch);
   });
   if (!parts) return;
   std::fill(out, out + ws, 0.0f);

@@ -21,9 +21,8 @@ const char* ConvPathName(ConvPath p);
 // The faster path for this convolution by bench/conv's measurements: a rule on the shape alone, so
 // the same module always computes the same bits.
 ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g);
-// The path a step takes: im2col, or PreferredConvPath when the environment variable
-// SHARDSTEP_CONV=onednn is set (read once per process). Not the default yet: with oneDNN,
-// parity_cnn_momentum(_sharded4) exceed their tolerance on conv2.b (2.8e-2 vs 2.77e-2; im2col: 5e-7).
+// The path a step takes: PreferredConvPath, or im2col for every convolution when the environment
+// variable SHARDSTEP_CONV=im2col is set (read once per process; to compare the two).
 ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g);
 
 // Images per oneDNN call for the forward pass and the input gradient.
@@ -31,8 +30,8 @@ constexpr int64_t kConvChunk = 8;
 
 // One convolution op of a step. Forward: Run(x, w, y); input gradient: Run(dy, w, dx); filter
 // gradient: Run(x, dy, dw). Thread-safe: replicas run it at once. After the calling thread's first
-// call, a call allocates nothing of its own; oneDNN v2 allocates small objects per block (its execute's
-// map of arguments, the memory objects), which its API gives no way to avoid.
+// call (which makes its memory objects), a call with the operands at the same addresses allocates
+// nothing (executed through oneDNN's C API: no argument map).
 class ConvKernel {
  public:
   ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path);

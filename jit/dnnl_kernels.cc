@@ -102,6 +102,19 @@ dnnl_stream_t DnnlThreadStream() {
 }
 
 namespace {
+thread_local int inside_execute = 0;
+}  // namespace
+
+bool InsideDnnlExecute() { return inside_execute > 0; }
+
+void DnnlExecute(const_dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t* args, const char* what) {
+  ++inside_execute;
+  const dnnl_status_t st = dnnl_primitive_execute(p, DnnlThreadStream(), nargs, args);
+  --inside_execute;
+  SS_CHECK(st == dnnl_success, "oneDNN ", what, " failed with status ", static_cast<int>(st));
+}
+
+namespace {
 
 const dnnl::engine& Engine() { return DnnlEngine(); }
 
@@ -138,7 +151,6 @@ std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int
   return p;
 }
 
-dnnl_stream_t ThreadStream() { return DnnlThreadStream(); }
 
 // Round to nearest even: exact (the top half) for the bf16 values this is meant for.
 void ToBf16(const float* x, int64_t count, uint16_t* y) {
@@ -212,8 +224,7 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
                         Engine(), Scratch(p->scratch));
       args[3].memory = ms.get();
     }
-    const dnnl_status_t st = dnnl_primitive_execute(p->prim.get(), ThreadStream(), p->scratch > 0 ? 4 : 3, args);
-    SS_CHECK(st == dnnl_success, "oneDNN bf16 matmul failed with status ", static_cast<int>(st));
+    DnnlExecute(p->prim.get(), p->scratch > 0 ? 4 : 3, args, "bf16 matmul");
   };
   if (batches * blocks == 1) {
     run(0);

@@ -174,3 +174,42 @@ TEST_CASE("an inf weight or output gradient meeting padding gives the interprete
     CHECK(v.ok);
   }
 }
+
+// Max pooling picks the first of equal values; its ties are exact where equal input patches give equal
+// outputs (an image's constant background: Fashion-MNIST's black border). The interpreter and im2col
+// sum every output position in the same order, so equal patches give equal bits; a path that does not
+// flips max pooling's choice against the interpreter's and moves whole gradients (a kink, not noise).
+TEST_CASE("equal input patches give equal forward outputs on the path a step takes", "[jit][conv]") {
+  jit::ConfigureThreadsForReplica(1);
+  const Geometry g{8, 32, 64, 14, 14, 3, 3, 1, 1};  // the CNN's second convolution at batch 8
+  Tensor x(ir::TensorType{DType::kF32, {g.n, g.c, g.h, g.w}});
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(0, 1);
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t c = 0; c < g.c; ++c) {
+      const float background = 0.1f * static_cast<float>(c % 7);
+      for (int64_t i = 0; i < g.h; ++i)
+        for (int64_t j = 0; j < g.w; ++j)
+          x.f32[((n * g.c + c) * g.h + i) * g.w + j] = (i >= 5 && i < 9 && j >= 5 && j < 9) ? u(rng) : background;
+    }
+  const Tensor w = RandomF32({g.o, g.c, g.kh, g.kw}, 4);
+  for (jit::ConvPath p : {jit::ConvPath::kIm2col, jit::ConvPath::kDnnlBlocked, jit::ConvPath::kDnnlPlain}) {
+    INFO(jit::ConvPathName(p));
+    Tensor y(ir::TensorType{DType::kF32, {g.n, g.o, g.oh(), g.ow()}});
+    jit::ConvKernel(jit::ConvKind::kForward, ShapeOf(g), p).Run(x.f32.data(), w.f32.data(), y.f32.data());
+    int64_t unequal = 0, pairs = 0;
+    for (int64_t n = 0; n < g.n; ++n)
+      for (int64_t o = 0; o < g.o; ++o) {
+        // Interior background positions (their 3x3 patch is all background): rows/cols 1..3 and 10..12.
+        const float first = y.f32[((n * g.o + o) * g.oh() + 1) * g.ow() + 1];
+        for (int64_t i : {1, 2, 3, 10, 11, 12})
+          for (int64_t j : {1, 2, 3, 10, 11, 12}) {
+            ++pairs;
+            unequal += y.f32[((n * g.o + o) * g.oh() + i) * g.ow() + j] != first;
+          }
+      }
+    std::printf("%s: %lld of %lld equal-patch outputs differ from the first\n", jit::ConvPathName(p),
+                static_cast<long long>(unequal), static_cast<long long>(pairs));
+    CHECK(unequal == 0);
+  }
+}
