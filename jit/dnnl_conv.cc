@@ -108,10 +108,25 @@ struct BoundMem {
   }
 };
 
+// A oneDNN stream made by the calling thread (a TBB worker that runs a block then makes nothing).
+struct Stream {
+  dnnl_stream_t s = nullptr;
+  Stream() {
+    const dnnl_status_t st = dnnl_stream_create(&s, DnnlEngine().get(), dnnl_stream_default_flags);
+    SS_CHECK(st == dnnl_success, "oneDNN stream creation failed with status ", static_cast<int>(st));
+  }
+  Stream(const Stream&) = delete;
+  Stream(Stream&& o) noexcept : s(o.s) { o.s = nullptr; }
+  ~Stream() {
+    if (s) dnnl_stream_destroy(s);
+  }
+};
+
 // The memory objects of one block index: the operands as the step holds them and as the primitive
-// reads them, and the scratchpad.
+// reads them, and the scratchpad; and the block's stream.
 struct BlockMems {
   BoundMem user[3], prim[3], scratch;
+  Stream stream;
 };
 // The reorder of the shared weights, per block kind.
 struct WeightMems {
@@ -149,12 +164,12 @@ char* Weights(size_t bytes) {
 }
 
 
-void Execute(const dnnl::primitive& p, std::initializer_list<dnnl_exec_arg_t> args) {
-  DnnlExecute(p.get(), static_cast<int>(args.size()), args.begin(), "convolution");
+void Execute(const dnnl::primitive& p, std::initializer_list<dnnl_exec_arg_t> args, dnnl_stream_t stream) {
+  DnnlExecute(p.get(), static_cast<int>(args.size()), args.begin(), "convolution", stream);
 }
 
-void Reorder(const Arg& a, dnnl_memory_t from, dnnl_memory_t to, dnnl_memory_t scratch) {
-  Execute(a.reorder, {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}, {DNNL_ARG_SCRATCHPAD, scratch}});
+void Reorder(const Arg& a, dnnl_memory_t from, dnnl_memory_t to, dnnl_memory_t scratch, dnnl_stream_t stream) {
+  Execute(a.reorder, {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}, {DNNL_ARG_SCRATCHPAD, scratch}}, stream);
 }
 
 // Sets the OpenMP threads of the calling thread for the scope (primitives are built with one).
@@ -376,7 +391,7 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
       w += (blk.args[1].prim.get_size() + 63) / 64 * 64;
       WeightMems& wm = mems.weights[k];
       Reorder(blk.args[1], wm.from.Bind(blk.args[1].user, const_cast<float*>(b)), wm.to.Bind(blk.args[1].prim, shared[k]),
-              wm.scratch.Bind(blk.scratch_md, work_all + blk.scratch_offset));
+              wm.scratch.Bind(blk.scratch_md, work_all + blk.scratch_offset), nullptr);
     }
   }
 
@@ -404,11 +419,11 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
       if (!arg.reordered) continue;
       const bool shared_weights = arg.shared && blk.share_weights;
       bound[i] = bm.prim[i].Bind(arg.prim, shared_weights ? shared[k] : work + blk.prim_offset[i]);
-      if (!shared_weights && !arg.output) Reorder(arg, user[i], bound[i], scratch);
+      if (!shared_weights && !arg.output) Reorder(arg, user[i], bound[i], scratch, bm.stream.s);
     }
     Execute(blk.conv, {{blk.args[0].id, bound[0]}, {blk.args[1].id, bound[1]}, {blk.args[2].id, bound[2]},
-                       {DNNL_ARG_SCRATCHPAD, scratch}});
-    if (blk.args[2].reordered) Reorder(blk.args[2], bound[2], user[2], scratch);
+                       {DNNL_ARG_SCRATCHPAD, scratch}}, bm.stream.s);
+    if (blk.args[2].reordered) Reorder(blk.args[2], bound[2], user[2], scratch, bm.stream.s);
   });
   if (!parts) return;
   std::fill(out, out + ws, 0.0f);

@@ -107,9 +107,10 @@ thread_local int inside_execute = 0;
 
 bool InsideDnnlExecute() { return inside_execute > 0; }
 
-void DnnlExecute(const_dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t* args, const char* what) {
+void DnnlExecute(const_dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t* args, const char* what,
+                 dnnl_stream_t stream) {
   ++inside_execute;
-  const dnnl_status_t st = dnnl_primitive_execute(p, DnnlThreadStream(), nargs, args);
+  const dnnl_status_t st = dnnl_primitive_execute(p, stream ? stream : DnnlThreadStream(), nargs, args);
   --inside_execute;
   SS_CHECK(st == dnnl_success, "oneDNN ", what, " failed with status ", static_cast<int>(st));
 }

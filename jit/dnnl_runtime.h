@@ -9,9 +9,10 @@ namespace shardstep::jit {
 const dnnl::engine& DnnlEngine();
 dnnl_stream_t DnnlThreadStream();
 
-// Runs a primitive on the calling thread's stream through the C API (no argument map of ours); a
-// failure is an error naming `what`.
-void DnnlExecute(const_dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t* args, const char* what);
+// Runs a primitive through the C API (no argument map of ours) on `stream`, or on the calling thread's
+// when null; a failure is an error naming `what`.
+void DnnlExecute(const_dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t* args, const char* what,
+                 dnnl_stream_t stream = nullptr);
 // Whether the calling thread is inside DnnlExecute. oneDNN v2's execute converts the arguments into
 // its own map (a few small allocations inside the library per call, which its API cannot avoid); the
 // allocation tests count those apart from ours.
