@@ -19,5 +19,6 @@ Command AddCompileCommand(CLI::App& app);  // build or read a step module, run p
 Command AddRunCommand(CLI::App& app);      // run an IR module on safetensors inputs (cli/run_command.cc)
 // TPU pod step-time simulator (issue 10, part 6)
 Command AddSimulateCommand(CLI::App& app);  // simulate a step on a TPU mesh (cli/simulate_command.cc)
+Command AddCheckMllogCommand(CLI::App& app);  // check MLPerf training logs (cli/check_mllog_command.cc)
 
 }  // namespace shardstep::cli

@@ -48,7 +48,7 @@ int Main(int argc, char** argv) {
   std::map<CLI::App*, cli::Command> commands;
   std::map<CLI::App*, std::string> config_paths;
   for (auto add : {cli::AddTrainCommand, cli::AddCompileCommand, cli::AddRunCommand,
-                   cli::AddSimulateCommand /* TPU pod step-time simulator */}) {
+                   cli::AddSimulateCommand /* TPU pod step-time simulator */, cli::AddCheckMllogCommand}) {
     cli::Command command = add(app);
     // Scripted runs: `shardstep train --config run.toml` reads the file's [train] table; flags given
     // on the command line win over the file.

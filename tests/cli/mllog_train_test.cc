@@ -119,3 +119,39 @@ TEST_CASE("a run that fails ends its MLPerf log with run_stop aborted and the re
     for (const auto& p : shardstep::runtime::CheckMlLog(text)) CHECK(p.find("eval_accuracy never appears") != std::string::npos);
   }
 }
+
+TEST_CASE("check-mllog passes a run's log and locates what is wrong in a damaged one") {
+  cli_test::TempDir dir("checkmllog");
+  const std::string log = dir.path + "/run.log", damaged = dir.path + "/damaged.log";
+  const auto r = Run("train --model mlp --hidden 16 --dataset synthetic --steps 4 --batch 16 --eval-every 2 "
+                     "--eval-batch 200 --mllog " + log);
+  REQUIRE(r.status == 0);
+  const auto ok = Run("check-mllog " + log);
+  INFO(ok.output);
+  CHECK(ok.status == 0);
+  CHECK(ok.output.find(log + ": ok (") != std::string::npos);
+
+  // Damaged: the last line (run_stop) dropped and the third line cut in half.
+  std::vector<std::string> lines;
+  {
+    std::istringstream in(Slurp(log));
+    for (std::string line; std::getline(in, line);) lines.push_back(line);
+  }
+  REQUIRE(lines.size() > 5);
+  lines.pop_back();
+  lines[2] = lines[2].substr(0, lines[2].size() / 2);
+  {
+    std::ofstream out(damaged);
+    for (const std::string& l : lines) out << l << "\n";
+  }
+  const auto bad = Run("check-mllog " + log + " " + damaged);
+  INFO(bad.output);
+  CHECK(bad.status == 1);
+  CHECK(bad.output.find(log + ": ok (") != std::string::npos);
+  CHECK(bad.output.find(damaged + ":3:") != std::string::npos);  // the cut line, located
+  CHECK(bad.output.find("run_stop") != std::string::npos);
+
+  const auto missing = Run("check-mllog " + dir.path + "/none.log");
+  CHECK(missing.status == 1);
+  CHECK(missing.output.find("none.log: cannot open the log") != std::string::npos);
+}
