@@ -20,12 +20,18 @@ void SingleThreadedOmp() {
   (void)once;
 }
 
-// Scratch that lives as long as its thread and only grows.
+// The calling (replica) thread's scratch: grown only, a slice per TBB task, handed to the tasks by
+// pointer. TBB workers keep no scratch of their own: which worker runs a task changes from step to
+// step, and a worker's first task would otherwise allocate in the middle of a later step.
 float* Scratch(int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   return buf.data();
 }
+
+// The images of a call split into at most kImageBlocks contiguous blocks, one TBB task (and one
+// scratch slice) each.
+constexpr int64_t kImageBlocks = 8;
 
 // col[(c,i,j), (y,x)] = zero-padded x[c, y*sh - ph + i, x*sw - pw + j] for one image.
 void Im2Col(const float* x, const ConvShape& g, float* col) {
@@ -99,22 +105,30 @@ ConvShape ConvShapeOf(const ir::Shape& x, const ir::Shape& w, const ir::Instr& i
 }
 
 void Conv2dForward(const ConvShape& g, const float* x, const float* w, float* y) {
-  tbb::parallel_for(int64_t{0}, g.n, [&](int64_t n) {
+  const int64_t per = (g.n + kImageBlocks - 1) / kImageBlocks, slice = g.k() * g.p();
+  float* const cols = Scratch(kImageBlocks * slice);
+  tbb::parallel_for(int64_t{0}, kImageBlocks, [&](int64_t blk) {
     SingleThreadedOmp();
-    float* col = Scratch(g.k() * g.p());
-    Im2Col(x + n * g.c * g.h * g.w, g, col);
-    DnnlSgemm(false, false, g.o, g.p(), g.k(), w, g.k(), col, g.p(), 0.0f, y + n * g.o * g.p(), g.p());
+    float* col = cols + blk * slice;
+    for (int64_t n = blk * per; n < std::min(g.n, (blk + 1) * per); ++n) {
+      Im2Col(x + n * g.c * g.h * g.w, g, col);
+      DnnlSgemm(false, false, g.o, g.p(), g.k(), w, g.k(), col, g.p(), 0.0f, y + n * g.o * g.p(), g.p());
+    }
   });
 }
 
 void Conv2dInputGrad(const ConvShape& g, const float* dy, const float* w, float* dx) {
-  tbb::parallel_for(int64_t{0}, g.n, [&](int64_t n) {
+  const int64_t per = (g.n + kImageBlocks - 1) / kImageBlocks, slice = g.k() * g.p();
+  float* const dcols = Scratch(kImageBlocks * slice);
+  tbb::parallel_for(int64_t{0}, kImageBlocks, [&](int64_t blk) {
     SingleThreadedOmp();
-    float* dcol = Scratch(g.k() * g.p());
-    DnnlSgemm(true, false, g.k(), g.p(), g.o, w, g.k(), dy + n * g.o * g.p(), g.p(), 0.0f, dcol, g.p());
-    float* d = dx + n * g.c * g.h * g.w;
-    std::fill(d, d + g.c * g.h * g.w, 0.0f);
-    Col2Im(dcol, g, d);
+    float* dcol = dcols + blk * slice;
+    for (int64_t n = blk * per; n < std::min(g.n, (blk + 1) * per); ++n) {
+      DnnlSgemm(true, false, g.k(), g.p(), g.o, w, g.k(), dy + n * g.o * g.p(), g.p(), 0.0f, dcol, g.p());
+      float* d = dx + n * g.c * g.h * g.w;
+      std::fill(d, d + g.c * g.h * g.w, 0.0f);
+      Col2Im(dcol, g, d);
+    }
   });
 }
 
@@ -125,9 +139,11 @@ void Conv2dFilterGrad(const ConvShape& g, const float* x, const float* dy, float
   thread_local std::vector<float> parts_buf;
   if (static_cast<int64_t>(parts_buf.size()) < kFilterGradGroups * size) parts_buf.resize(kFilterGradGroups * size);
   float* const parts = parts_buf.data();
+  const int64_t slice = g.k() * g.p();
+  float* const cols = Scratch(kFilterGradGroups * slice);
   tbb::parallel_for(int64_t{0}, kFilterGradGroups, [&](int64_t group) {
     SingleThreadedOmp();
-    float* col = Scratch(g.k() * g.p());
+    float* col = cols + group * slice;
     const int64_t first = group * per_group, last = std::min(g.n, (group + 1) * per_group);
     if (first >= last) std::fill_n(parts + group * size, size, 0.0f);  // no image: a zero part
     for (int64_t n = first; n < last; ++n) {
