@@ -672,7 +672,7 @@ void GemmCompare() {
                                  {true, false, 1024, 1024, 128},  {true, false, 1024, 10, 128}};
   const dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   dnnl::stream strm(eng);
-  double t_sgemm = 0, t_bf16 = 0, t_split = 0, t_split_bf16 = 0;
+  double t_sgemm = 0, t_bf16 = 0, t_split = 0, t_split_bf16 = 0, t_inplace = 0;
   auto time = [](const std::function<void()>& f) {
     for (int i = 0; i < 3; ++i) f();
     std::vector<double> t;
@@ -701,14 +701,24 @@ void GemmCompare() {
     });
     jit::SetOmpThreads(1);
     t_split += time([&] { jit::ParallelSgemm(g.ta, g.tb, g.m, g.n, g.k, a.data(), lda, b.data(), ldb, c.data()); });
-    t_split_bf16 += time([&] {
+    const double split_bf16 = time([&] {
       jit::ParallelBf16Matmul(g.ta, g.tb, 1, g.m, g.n, g.k, a.data(), lda, 0, b.data(), ldb, 0, c.data());
     });
+    const double inplace = time([&] {
+      jit::ParallelBf16Matmul(g.ta, g.tb, 1, g.m, g.n, g.k, ha.data(), lda, 0, hb.data(), ldb, 0, c.data());
+    });
+    t_split_bf16 += split_bf16;
+    t_inplace += inplace;
+    if (std::getenv("SS_GEMM_SHAPES"))
+      std::cout << "  " << (g.ta ? "T" : "N") << (g.tb ? "T" : "N") << " " << g.m << "x" << g.n << "x" << g.k
+                << ": ParallelBf16Matmul in place " << inplace * 1e3 << " ms, with conversion " << split_bf16 * 1e3
+                << " ms\n";
   }
   std::cout << std::fixed << std::setprecision(3) << "the MLP's 8 matmuls, ms per set (medians of 20): oneDNN sgemm "
             << t_sgemm * 1e3 << ", oneDNN bf16 matmul " << t_bf16 * 1e3 << " (ratio " << t_bf16 / t_sgemm
             << "); as the step runs them: ParallelSgemm " << t_split * 1e3 << ", ParallelBf16Matmul (with conversion) "
-            << t_split_bf16 * 1e3 << " (ratio " << t_split_bf16 / t_split << ")\n";
+            << t_split_bf16 * 1e3 << " (ratio " << t_split_bf16 / t_split << "), on operands stored as bf16 (the step's "
+            << "way) " << t_inplace * 1e3 << " (ratio " << t_inplace / t_split << ")\n";
 }
 
 int PrecisionCompare(int rounds) {

@@ -19,7 +19,8 @@
 //     assignment (`@a = @b; @b = @a`, a reshape of a variable) is read before it is overwritten, and
 //     a cycle of such reads goes through a staging buffer (jit/buffer_plan.h SequenceAssignments).
 // Lowering of the non-fused ops: matmul -> oneDNN sgemm (batched: one per batch element,
-// jit/native_ops.h), or oneDNN bf16 matmul when both operands are bf16-rounded (Bf16Operands); broadcast, transpose, slice, pad, concat -> strided copies; reductions and
+// jit/native_ops.h), or oneDNN bf16 matmul when both operands are bf16-rounded (Bf16Operands: it then
+// reads the bf16 values in place, ReadBf16OperandsInPlace); broadcast, transpose, slice, pad, concat -> strided copies; reductions and
 // gather -> native loops with the interpreter's summation order; conv2d and its gradients -> oneDNN
 // convolution primitives or im2col + oneDNN sgemm per image, chosen per shape at planning
 // (jit/dnnl_conv.h), max pooling -> native loops (jit/cpu_kernels.h); avg pooling, scatter-add,
@@ -181,6 +182,21 @@ bool Bf16Operands(const ir::Module& m, const ir::Instr& in) {
   }
   return true;
 }
+
+// The JIT's own form of such a matmul: its operands are the bf16 values themselves (2 bytes an element,
+// read in place by oneDNN), marked kBf16OperandsAttr, and the widening converts lose these readers (the
+// fuser then writes them only where something else reads them). Only CompiledStep sees this form: the
+// IR's matmul takes operands of its result's dtype.
+constexpr const char* kBf16OperandsAttr = "jit_bf16_operands";
+void ReadBf16OperandsInPlace(ir::Module& m) {
+  for (ValueId v = 0; v < m.size(); ++v) {
+    ir::Instr& in = m.at(v);
+    if (!Bf16Operands(m, in)) continue;
+    for (ValueId& o : in.operands) o = m.at(o).operands[0];
+    in.attrs[kBf16OperandsAttr] = int64_t{1};
+  }
+}
+bool HasBf16Operands(const ir::Instr& in) { return in.op == OpCode::kMatmul && in.Has(kBf16OperandsAttr); }
 }  // namespace
 
 Lowering LoweringOf(const ir::Module& m, ValueId v) {
@@ -495,6 +511,7 @@ std::unique_ptr<llvm::Module> CompiledStep::Emit(llvm::LLVMContext& ctx, const s
 std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& module, const JitOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   ir::Module m = module;
+  ReadBf16OperandsInPlace(m);
   ir::ElementwiseFuser().Run(m);
   const std::string text = ir::Print(m);
   const std::string mem_key = HashHex(text) + (options.disk_cache ? "d" : "n") + options.cache_dir;
@@ -736,15 +753,21 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       return;
     }
     case OpCode::kMatmul:  // batched (rank >= 3), bf16-valued operands (Bf16Operands), or bf16 at any rank
-      if (Bf16Operands(m_, in)) {
+      if (HasBf16Operands(in) || Bf16Operands(m_, in)) {
         const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
         const Shape &a = shape(0), &b = shape(1);
         const size_t r = a.size();
         const int64_t mm = in.type.shape[r - 2], nn = in.type.shape[r - 1], k = ta ? a[r - 2] : a[r - 1];
         int64_t batches = 1;
         for (size_t d = 0; d + 2 < r; ++d) batches *= a[d];
-        ParallelBf16Matmul(ta, tb, batches, mm, nn, k, static_cast<const float*>(P(0)), a[r - 1], a[r - 2] * a[r - 1],
-                           static_cast<const float*>(P(1)), b[r - 1], b[r - 2] * b[r - 1], static_cast<float*>(out));
+        if (HasBf16Operands(in))
+          ParallelBf16Matmul(ta, tb, batches, mm, nn, k, static_cast<const uint16_t*>(P(0)), a[r - 1],
+                             a[r - 2] * a[r - 1], static_cast<const uint16_t*>(P(1)), b[r - 1], b[r - 2] * b[r - 1],
+                             static_cast<float*>(out));
+        else
+          ParallelBf16Matmul(ta, tb, batches, mm, nn, k, static_cast<const float*>(P(0)), a[r - 1],
+                             a[r - 2] * a[r - 1], static_cast<const float*>(P(1)), b[r - 1], b[r - 2] * b[r - 1],
+                             static_cast<float*>(out));
         return;
       }
       if (in.type.dtype == DType::kBF16) {  // widen (exact), f32 sgemm, round to nearest even

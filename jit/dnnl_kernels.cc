@@ -128,17 +128,17 @@ struct Bf16Matmul {
 };
 
 std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
-                                                int64_t ldb) {
+                                                int64_t ldb, int64_t ldc) {
   using dnnl::memory;
   static std::mutex mu;
-  static std::map<std::array<int64_t, 7>, std::shared_ptr<const Bf16Matmul>> cache;
-  const std::array<int64_t, 7> key{ta, tb, m, n, k, lda, ldb};
+  static std::map<std::array<int64_t, 8>, std::shared_ptr<const Bf16Matmul>> cache;
+  const std::array<int64_t, 8> key{ta, tb, m, n, k, lda, ldb, ldc};
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   auto p = std::make_shared<Bf16Matmul>();
   p->a = memory::desc({m, k}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
   p->b = memory::desc({k, n}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
-  p->c = memory::desc({m, n}, memory::data_type::f32, memory::dims{n, 1});
+  p->c = memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
   try {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -195,27 +195,42 @@ char* Scratch(size_t bytes) {
 
 void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a,
                         int64_t lda, int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c) {
-  if (batches == 0 || m == 0 || n == 0) return;
-  if (k == 0) {
-    std::fill(c, c + batches * m * n, 0.0f);
+  if (batches == 0 || m == 0 || n == 0 || k == 0) {
+    ParallelBf16Matmul(ta, tb, batches, m, n, k, static_cast<const uint16_t*>(nullptr), lda, sa, nullptr, ldb, sb, c);
     return;
   }
   OperandsScope scope;
   const int64_t na = (batches - 1) * sa + (ta ? k : m) * lda, nb = (batches - 1) * sb + (tb ? n : k) * ldb;
   if (static_cast<int64_t>(scope.ops->a.size()) < na) scope.ops->a.resize(na);
   if (static_cast<int64_t>(scope.ops->b.size()) < nb) scope.ops->b.resize(nb);
-  uint16_t *ha = scope.ops->a.data(), *hb = scope.ops->b.data();
-  ToBf16(a, na, ha);
-  ToBf16(b, nb, hb);
-  const auto [rows, blocks] = BlocksOf(m, n, k);
+  ToBf16(a, na, scope.ops->a.data());
+  ToBf16(b, nb, scope.ops->b.data());
+  ParallelBf16Matmul(ta, tb, batches, m, n, k, scope.ops->a.data(), lda, sa, scope.ops->b.data(), ldb, sb, c);
+}
+
+void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const uint16_t* ha,
+                        int64_t lda, int64_t sa, const uint16_t* hb, int64_t ldb, int64_t sb, float* c) {
+  if (batches == 0 || m == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill(c, c + batches * m * n, 0.0f);
+    return;
+  }
+  // Blocks of rows, or of columns when the product is wider than tall (the MLP's batch-128 forward and
+  // input-gradient products: row blocks would each read all of B, column blocks read B once). Each
+  // output element is one oneDNN call's either way; the split depends on the shapes only.
+  const bool by_columns = m < n;
+  const auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
   auto run = [&](int64_t task) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
-    const int64_t bt = task / blocks, r0 = (task % blocks) * rows, mb = std::min(rows, m - r0);
-    const auto p = Bf16Primitive(ta, tb, mb, n, k, lda, ldb);
-    const dnnl::memory ma(p->a, Engine(), ha + bt * sa + (ta ? r0 : r0 * lda));
-    const dnnl::memory mbm(p->b, Engine(), hb + bt * sb);
-    const dnnl::memory mc(p->c, Engine(), c + bt * m * n + r0 * n);
+    const int64_t bt = task / blocks, first = (task % blocks) * span;
+    const int64_t rows = by_columns ? m : std::min(span, m - first), cols = by_columns ? std::min(span, n - first) : n;
+    const int64_t r0 = by_columns ? 0 : first, c0 = by_columns ? first : 0;
+    const auto p = Bf16Primitive(ta, tb, rows, cols, k, lda, ldb, n);
+    // oneDNN reads the operands only; its handles are non-const.
+    const dnnl::memory ma(p->a, Engine(), const_cast<uint16_t*>(ha + bt * sa + (ta ? r0 : r0 * lda)));
+    const dnnl::memory mbm(p->b, Engine(), const_cast<uint16_t*>(hb + bt * sb + (tb ? c0 * ldb : c0)));
+    const dnnl::memory mc(p->c, Engine(), c + bt * m * n + r0 * n + c0);
     dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, ma.get()}, {DNNL_ARG_WEIGHTS, mbm.get()}, {DNNL_ARG_DST, mc.get()},
                               {DNNL_ARG_SCRATCHPAD, nullptr}};
     dnnl::memory ms;

@@ -21,10 +21,14 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
 // CPU has it): exact products, f32 accumulation, as the f32 sgemm on the same values up to the order
 // of the sums and denormals (flushed). The operands are converted to bf16 (exactly) once per call, then
 // `batches` independent products (A, B, C advanced by sa, sb, m*n elements) are split into row blocks
-// that depend only on the shapes, each one oneDNN call on one OpenMP thread in a TBB task; the
+// (column blocks when m < n) that depend only on the shapes, each one oneDNN call on one OpenMP thread in a TBB task; the
 // primitives are built at the first call per block shape and cached for the process.
 void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a,
                         int64_t lda, int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c);
+// The same on operands already stored as bf16 (the step's rounded operands, read in place: no
+// conversion).
+void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const uint16_t* a,
+                        int64_t lda, int64_t sa, const uint16_t* b, int64_t ldb, int64_t sb, float* c);
 
 // Threading policy. Debian's libdnnl uses OpenMP (libgomp), whose workers spin after each parallel
 // call and were seen taking half the machine from TBB. So every oneDNN call made by a step runs

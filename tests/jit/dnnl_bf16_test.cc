@@ -59,8 +59,8 @@ TEST_CASE("bf16 matmul: every transpose, batched and in row blocks, within f32 a
   struct Case {
     int64_t batches, m, n, k;
   };
-  // 1 block; 7 row blocks of 32 rows, the last one short; batched.
-  for (const Case& s : {Case{1, 37, 29, 53}, Case{1, 203, 300, 300}, Case{3, 20, 17, 9}})
+  // 1 block; column blocks (wider than tall), the last one short; batched; batched in 3 column blocks.
+  for (const Case& s : {Case{1, 37, 29, 53}, Case{1, 203, 300, 300}, Case{3, 20, 17, 9}, Case{2, 48, 512, 256}})
     for (int ta = 0; ta < 2; ++ta)
       for (int tb = 0; tb < 2; ++tb) {
         const auto a = Bf16Values(s.batches * s.m * s.k, 1), b = Bf16Values(s.batches * s.k * s.n, 2);
@@ -77,6 +77,23 @@ TEST_CASE("bf16 matmul: the same bits across calls and thread counts") {
   CHECK(Run(false, true, 1, m, n, k, a, b) == two);
   tbb::global_control one(tbb::global_control::max_allowed_parallelism, 1);
   CHECK(Run(false, true, 1, m, n, k, a, b) == two);
+}
+
+TEST_CASE("bf16 matmul: operands stored as bf16 give the bits of the same values stored as f32") {
+  jit::ConfigureThreadsForReplica(1);
+  for (int t = 0; t < 4; ++t) {
+    const bool ta = t & 1, tb = t & 2;
+    const int64_t batches = 2, m = 70, n = 45, k = 33;
+    const auto a = Bf16Values(batches * m * k, 7), b = Bf16Values(batches * k * n, 8);
+    std::vector<uint16_t> ha(a.size()), hb(b.size());
+    for (size_t i = 0; i < a.size(); ++i) ha[i] = runtime::F32ToBf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) hb[i] = runtime::F32ToBf16(b[i]);
+    std::vector<float> c(batches * m * n, -1.0f);
+    jit::ParallelBf16Matmul(ta, tb, batches, m, n, k, ha.data(), ta ? m : k, m * k, hb.data(), tb ? k : n, k * n,
+                            c.data());
+    INFO("ta " << ta << " tb " << tb);
+    CHECK(c == Run(ta, tb, batches, m, n, k, a, b));
+  }
 }
 
 TEST_CASE("bf16 matmul: the JIT runs rounded matmuls (rank 2 and batched) through oneDNN bf16") {
@@ -102,6 +119,15 @@ TEST_CASE("bf16 matmul: the JIT runs rounded matmuls (rank 2 and batched) throug
     for (float& v : vars["w"].f32) v = nd(rng);
     for (float& v : inputs["x"].f32) v = nd(rng);
     auto step = jit::CompiledStep::Compile(m);
+    // The compiled matmul reads the bf16 values in place (2 bytes an element, no per-call conversion).
+    int bf16_matmuls = 0;
+    for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+      const ir::Instr& in = step->module().at(v);
+      const ir::Module& c = step->module();
+      bf16_matmuls += in.op == ir::OpCode::kMatmul && in.type.dtype == ir::DType::kF32 &&
+                      c.type(in.operands[0]).dtype == ir::DType::kBF16 && c.type(in.operands[1]).dtype == ir::DType::kBF16;
+    }
+    CHECK(bf16_matmuls == 1);
     jit::Workspace wsp;
     const auto out = step->Run(vars, inputs, 0, nullptr, &wsp);
     std::vector<float> ra(inputs["x"].f32), rb(vars["w"].f32);
