@@ -196,7 +196,10 @@ void ReadBf16OperandsInPlace(ir::Module& m) {
     in.attrs[kBf16OperandsAttr] = int64_t{1};
   }
 }
-bool HasBf16Operands(const ir::Instr& in) { return in.op == OpCode::kMatmul && in.Has(kBf16OperandsAttr); }
+// (By the dtypes, not the attribute: a step allocates nothing, and the attribute's name is a string.)
+bool HasBf16Operands(const ir::Module& m, const ir::Instr& in) {
+  return in.op == OpCode::kMatmul && in.type.dtype == DType::kF32 && m.type(in.operands[0]).dtype == DType::kBF16;
+}
 }  // namespace
 
 Lowering LoweringOf(const ir::Module& m, ValueId v) {
@@ -753,14 +756,14 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       return;
     }
     case OpCode::kMatmul:  // batched (rank >= 3), bf16-valued operands (Bf16Operands), or bf16 at any rank
-      if (HasBf16Operands(in) || Bf16Operands(m_, in)) {
+      if (HasBf16Operands(m_, in) || Bf16Operands(m_, in)) {
         const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
         const Shape &a = shape(0), &b = shape(1);
         const size_t r = a.size();
         const int64_t mm = in.type.shape[r - 2], nn = in.type.shape[r - 1], k = ta ? a[r - 2] : a[r - 1];
         int64_t batches = 1;
         for (size_t d = 0; d + 2 < r; ++d) batches *= a[d];
-        if (HasBf16Operands(in))
+        if (HasBf16Operands(m_, in))
           ParallelBf16Matmul(ta, tb, batches, mm, nn, k, static_cast<const uint16_t*>(P(0)), a[r - 1],
                              a[r - 2] * a[r - 1], static_cast<const uint16_t*>(P(1)), b[r - 1], b[r - 2] * b[r - 1],
                              static_cast<float*>(out));

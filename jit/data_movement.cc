@@ -82,22 +82,36 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
 
 // Reduces `axes` of x (shape `shape`) into out. Max folds in increasing input index order (the
 // interpreter's order). Sums accumulate in double over fixed blocks of rows, run in parallel, whose
-// partial sums are then added in block order; within a row along a reduced last axis, four
-// interleaved partial sums break the add-latency chain. The order depends only on the shape, so
+// partial sums are then added in block order; within a row along a reduced last axis (after
+// collapsing neighbouring dimensions), eight interleaved partial sums break the add-latency chain and
+// vectorise. The order depends only on the shape, so
 // results are deterministic (whatever the thread count), within float rounding of the
 // interpreter's serial order. `acc` holds the blocks' partial sums.
 template <typename T>
 void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape& out_shape, const T* x, T* out,
             std::vector<double>& acc) {
-  Strides os = RowMajor(out_shape), acc_strides(shape.size(), 0);
+  // The shape collapsed: size-1 dimensions dropped and neighbours both reduced or both kept merged
+  // (the same elements in the same order), so batch norm's reduction of NCHW over (0, 2, 3) reads
+  // rows of H*W contiguous elements, not rows of W.
+  Strides dims(shape.size()), reduced(shape.size());
+  int rank = 0;
   int64_t count = 1;
-  for (size_t d = 0, j = 0; d < shape.size(); ++d) {
-    if (std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d))) count *= shape[d];
-    else acc_strides[d] = os[j++];
+  for (size_t d = 0; d < shape.size(); ++d) {
+    const bool red = std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d));
+    if (red) count *= shape[d];
+    if (shape[d] == 1) continue;
+    if (rank > 0 && reduced[rank - 1] == red) {
+      dims[rank - 1] *= shape[d];
+    } else {
+      dims[rank] = shape[d];
+      reduced[rank++] = red;
+    }
   }
+  Strides acc_strides(rank, 0);
+  for (int64_t d = rank - 1, stride = 1; d >= 0; --d)
+    if (!reduced[d]) acc_strides[d] = stride, stride *= dims[d];
   const int64_t nout = ir::NumElements(out_shape), total = ir::NumElements(shape);
-  const int rank = static_cast<int>(shape.size());
-  const int64_t n = shape.empty() ? 1 : shape.back(), inner = acc_strides.empty() ? 0 : acc_strides.back();
+  const int64_t n = rank == 0 ? 1 : dims[rank - 1], inner = rank == 0 ? 0 : acc_strides[rank - 1];
   const int64_t rows = n > 0 ? total / n : 0;
   // row(src offset, dst offset) for rows [begin, end), walking the output index incrementally.
   auto for_rows = [&](int64_t begin, int64_t end, auto row) {
@@ -105,16 +119,16 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     Strides idx(std::max(rank, 1));
     int64_t dst = 0;
     for (int64_t dd = rank - 2, rem = begin; dd >= 0; --dd) {
-      idx[dd] = rem % shape[dd];
-      rem /= shape[dd];
+      idx[dd] = rem % dims[dd];
+      rem /= dims[dd];
       dst += idx[dd] * acc_strides[dd];
     }
     for (int64_t r = begin; r < end; ++r) {
       row(r * n, dst);
       for (int dd = rank - 2; dd >= 0; --dd) {
         dst += acc_strides[dd];
-        if (++idx[dd] < shape[dd]) break;
-        dst -= acc_strides[dd] * shape[dd];
+        if (++idx[dd] < dims[dd]) break;
+        dst -= acc_strides[dd] * dims[dd];
         idx[dd] = 0;
       }
     }
@@ -137,16 +151,12 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     for_rows(blk * block_rows, std::min(rows, (blk + 1) * block_rows), [&](int64_t src, int64_t dst) {
       const T* xs = x + src;
       if (inner == 0) {
-        double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // lane j sums elements j, j + 8, ... (a vector)
         int64_t k = 0;
-        for (; k + 4 <= n; k += 4) {
-          s0 += xs[k];
-          s1 += xs[k + 1];
-          s2 += xs[k + 2];
-          s3 += xs[k + 3];
-        }
-        for (; k < n; ++k) s0 += xs[k];
-        part[dst] += (s0 + s1) + (s2 + s3);
+        for (; k + 8 <= n; k += 8)
+          for (int j = 0; j < 8; ++j) s[j] += xs[k + j];
+        for (; k < n; ++k) s[0] += xs[k];
+        part[dst] += ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
       } else if (inner == 1) {
         double* a = part + dst;
         for (int64_t k = 0; k < n; ++k) a[k] += xs[k];
