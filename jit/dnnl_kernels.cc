@@ -69,12 +69,20 @@ RowBlocks BlocksOf(int64_t m, int64_t n, int64_t k) {
 
 void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                    int64_t ldb, float* c) {
-  const auto [rows, blocks] = BlocksOf(m, n, k);
+  // Row blocks, or column blocks when the product is wider than tall (as ParallelBf16Matmul).
+  const bool by_columns = m < n;
+  const auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
   auto run = [&](int64_t blk) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
-    const int64_t r0 = blk * rows, mb = std::min(rows, m - r0);
-    DnnlSgemm(ta, tb, mb, n, k, a + (ta ? r0 : r0 * lda), lda, b, ldb, 0.0f, c + r0 * n, n);
+    const int64_t first = blk * span;
+    if (by_columns) {
+      const int64_t nb = std::min(span, n - first);
+      DnnlSgemm(ta, tb, m, nb, k, a, lda, b + (tb ? first * ldb : first), ldb, 0.0f, c + first, n);
+    } else {
+      const int64_t mb = std::min(span, m - first);
+      DnnlSgemm(ta, tb, mb, n, k, a + (ta ? first : first * lda), lda, b, ldb, 0.0f, c + first * n, n);
+    }
   };
   if (blocks <= 1) {
     run(0);

@@ -10,7 +10,8 @@ namespace shardstep::jit {
 void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float beta, float* c, int64_t ldc);
 
-// The step's matmul: C = op(A) op(B) split into row blocks whose boundaries depend only on the
+// The step's matmul: C = op(A) op(B) split into row blocks (column blocks when m < n: the MLP's
+// batch-128 products, where every row block would read all of B) whose boundaries depend only on the
 // shapes, run as TBB tasks, each one single-threaded dnnl_sgemm. So TBB alone owns the cores: no
 // OpenMP team is ever started by a step, and no OpenMP worker spins after a call.
 void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
