@@ -1,6 +1,7 @@
 // bench/step: one-replica training steps (forward + backward + optimizer) of the built-in models on the CPU
 // JIT against PyTorch 1.13 running equivalent models in child processes (bench/torch_step.py and
-// bench/torch_models.py; torch.set_num_threads(2) and (1), OPENBLAS_NUM_THREADS=1), measured alternately in
+// bench/torch_models.py; torch.set_num_threads(2) and (1), OPENBLAS_NUM_THREADS=1, glibc malloc keeping freed
+// memory), measured alternately in
 // one run; medians, ratios and issue 14's targets: the MLP 784-1024-1024-10 and the CNN (batch 128, Adam),
 // resnet20 (configs/resnet20.toml), transformer_lm (configs/transformer_lm.toml) and a small bert
 // (bench/mlperf/mlperf_bert.cc's size, LAMB). Also, in the same binary: the MLP step against its bound (its
@@ -78,6 +79,13 @@ class Torch {
       close(in[1]);
       close(out[0]);
       setenv("OPENBLAS_NUM_THREADS", "1", 1);
+      // glibc's malloc hands PyTorch's large per-step tensors back to the kernel (mmap above a dynamic
+      // threshold, trim on free), so every step pays page faults whose cost swung PyTorch's CNN step
+      // 31-157 ms between launches of the same script here; with both thresholds at 4 GiB the freed
+      // memory is reused and PyTorch runs at its best, stable speed (its CPU allocator has no cache of
+      // its own). Our steps allocate nothing after the first, so this only changes PyTorch's side.
+      setenv("MALLOC_MMAP_THRESHOLD_", "4294967296", 1);
+      setenv("MALLOC_TRIM_THRESHOLD_", "4294967296", 1);
       const std::string t = std::to_string(threads);
       execl("/usr/bin/python3", "python3", script.c_str(), t.c_str(), static_cast<char*>(nullptr));
       _exit(127);
@@ -825,7 +833,7 @@ int Run(const Args& args) {
     // PyTorch at both thread settings; the comparison is against whichever is faster in this run
     // (2 threads is best on an idle machine; on a loaded one 1 thread can win).
     Torch torch2(script, 2), torch1(script, 1);
-    std::cout << "pytorch children: " << torch2.banner() << " / " << torch1.banner() << ", OPENBLAS_NUM_THREADS=1\n";
+    std::cout << "pytorch children: " << torch2.banner() << " / " << torch1.banner() << ", OPENBLAS_NUM_THREADS=1, glibc malloc thresholds 4 GiB (no page faults per step)\n";
     std::cout << "measuring alternately (jit, torch 2 thr, torch 1 thr), " << args.rounds
               << " rounds x k steps each (k in the table of models), medians; shardstep steps as `shardstep train` "
                  "takes them (Session::TrainStep)\n";

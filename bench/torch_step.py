@@ -3,7 +3,8 @@
 # transformer_lm and bert as bench/torch_models.py defines them (same shapes, FLOPs, loss and optimizer kind).
 # Protocol (stdin/stdout, line based): "<mlp|cnn|resnet20|transformer_lm|bert> <k>" -> k per-step times in ms on
 # one line; "quit". A model is built (and warmed up by 3 steps) at its first request, outside the timed steps.
-# Thread setting: argv[1] (torch.set_num_threads) with OPENBLAS_NUM_THREADS=1 (the parent sets the env).
+# Thread setting: argv[1] (torch.set_num_threads) with OPENBLAS_NUM_THREADS=1, and glibc malloc keeping freed memory
+# (MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ at 4 GiB: no page faults per step); the parent sets the env.
 import os
 import sys
 import time

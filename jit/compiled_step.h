@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ir/module.h"
+#include "jit/data_movement.h"
 #include "jit/driver_emitter.h"
 #include "jit/jit_compiler.h"
 #include "jit/kernel_emitter.h"
@@ -24,6 +25,8 @@ struct CompileInfo {
   std::string key;         // cache key (hash of module, emitter version and target)
   int kernels = 0;         // fused loops
   int fused_ops = 0;       // instructions inside them
+  int fused_reductions = 0;  // reductions run inside the loop that produces their operand
+  int windowed_values = 0;   // values those loops never write to memory (read only by the reductions)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -48,6 +51,12 @@ struct Workspace {
   std::vector<char> is_owned;
   std::vector<void*> ptr;               // the slot table: per value, its storage during this step
   std::vector<double> scratch;          // reductions' accumulators (grown once, then reused)
+  // Fused reductions (CompiledStep::ReduceGroup): per TBB thread slot, the kernel's buffer pointers,
+  // the reductions' operand pointers and the windows of the operands that are never materialised.
+  int thread_slots = 0;
+  std::vector<void*> fused_bufs;
+  std::vector<const float*> fused_operands;
+  std::vector<float> fused_windows;
   std::vector<char> staging;            // assignments staged through a temporary (a swap, a rotation)
 };
 
@@ -85,7 +94,9 @@ class CompiledStep {
   };
   friend int32_t(::ss_rt_instr)(shardstep::jit::StepContext* ctx, int64_t value);  // runs RunInstr for the driver
   CompiledStep() = default;
-  void Plan();
+  void Plan(bool fuse_reductions);
+  void FuseReductions(const std::vector<int>& kernel_of, std::vector<char>& external);
+  void RunFusedReductions(int group, Workspace* ws) const;
   void PlanBuffers();
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                 runtime::Collectives* c, Workspace* ws, int batch_parts) const;
@@ -120,6 +131,22 @@ class CompiledStep {
   };
   std::vector<std::vector<Route>> routes_;
   std::vector<std::shared_ptr<const ConvKernel>> conv_;  // per value: its convolution, planned (jit/dnnl_conv.h)
+  // A fused loop with the f32 sums and means of its outputs over one layout: run together a window at
+  // a time (jit/data_movement.h FusedSums), in the kernel's place in the schedule; an output read only
+  // by these reductions goes to a per-thread window, never to memory.
+  struct ReduceGroup {
+    int kernel = -1;
+    std::vector<ir::ValueId> reductions;
+    std::vector<int> operand;      // per reduction: its operand's index in the kernel's outputs
+    std::vector<char> windowed;    // per kernel output: written to the window only
+    std::vector<int> window_of;    // per kernel output: its window's index, or -1
+    int windows = 0;
+    ReduceLayout layout;
+  };
+  std::vector<ReduceGroup> reduce_groups_;
+  std::vector<int> reduce_group_of_kernel_;  // per kernel: its ReduceGroup, or -1
+  std::vector<int> reduce_group_of_value_;   // per value: the ReduceGroup of a fused reduction, or -1
+  std::vector<void*> kernel_fns_;            // per kernel: its compiled loop (for the fused reductions)
 };
 
 // The LLVM IR of `m`'s fused kernels after O3 (`shardstep compile --emit=llvm`).

@@ -4,6 +4,7 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -80,6 +81,212 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
   }
 }
 
+ReduceLayout LayoutOf(const Shape& shape, const ir::IntList& axes, const Shape& out_shape) {
+  // The shape collapsed: size-1 dimensions dropped and neighbours both reduced or both kept merged
+  // (the same elements in the same order), so batch norm's reduction of NCHW over (0, 2, 3) reads
+  // rows of H*W contiguous elements, not rows of W.
+  ReduceLayout l;
+  l.dims = Strides(shape.size());
+  Strides reduced(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    const bool red = std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d));
+    if (red) l.count *= shape[d];
+    if (shape[d] == 1) continue;
+    if (l.rank > 0 && reduced[l.rank - 1] == red) {
+      l.dims[l.rank - 1] *= shape[d];
+    } else {
+      l.dims[l.rank] = shape[d];
+      reduced[l.rank++] = red;
+    }
+  }
+  l.acc_strides = Strides(l.rank, 0);
+  for (int64_t d = l.rank - 1, stride = 1; d >= 0; --d)
+    if (!reduced[d]) l.acc_strides[d] = stride, stride *= l.dims[d];
+  l.nout = ir::NumElements(out_shape);
+  l.total = ir::NumElements(shape);
+  l.n = l.rank == 0 ? 1 : l.dims[l.rank - 1];
+  l.inner = l.rank == 0 ? 0 : l.acc_strides[l.rank - 1];
+  l.rows = l.n > 0 ? l.total / l.n : 0;
+  // Blocks of about 64K elements (whole rows): the partition depends on the shape only.
+  l.block_rows = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(l.n, 1));
+  l.blocks = std::max<int64_t>(1, (l.rows + l.block_rows - 1) / l.block_rows);
+  return l;
+}
+
+namespace {
+
+// row(src offset, dst offset) for rows [begin, end), walking the output index incrementally.
+template <typename Row>
+void ForRows(const ReduceLayout& l, int64_t begin, int64_t end, Row row) {
+  if (l.total == 0 || begin >= end) return;
+  const int rank = l.rank;
+  Strides idx(std::max(rank, 1));
+  int64_t dst = 0;
+  for (int64_t dd = rank - 2, rem = begin; dd >= 0; --dd) {
+    idx[dd] = rem % l.dims[dd];
+    rem /= l.dims[dd];
+    dst += idx[dd] * l.acc_strides[dd];
+  }
+  for (int64_t r = begin; r < end; ++r) {
+    row(r * l.n, dst);
+    for (int dd = rank - 2; dd >= 0; --dd) {
+      dst += l.acc_strides[dd];
+      if (++idx[dd] < l.dims[dd]) break;
+      dst -= l.acc_strides[dd] * l.dims[dd];
+      idx[dd] = 0;
+    }
+  }
+}
+
+// The sums' inner loops, in one obvious form each (Body functions); for f32 also compiled for AVX2
+// and AVX-512 and picked once by the CPU (the rest of the build targets baseline x86-64, whose SSE
+// registers these loops overflow). Only conversions to double and additions in a fixed order: the
+// same bits on every instruction set.
+//  - Lanes: elements [a, b) of a row along a reduced last axis (xs points at element a; a is 0 or a
+//    multiple of 8) into lanes s: lane j sums elements j, j + 8, ... below the row's last multiple of
+//    8 (n8), then lane 0 the tail; the same order however the row is cut.
+//  - Lanes4: whole rows x0..x3 (n elements) into s[0..3], as Lanes does: four independent chains of
+//    vector adds, where one row's lanes alone would wait on the add latency.
+//  - Column: part[k] += xs[k] for k < count (a kept last axis).
+template <typename T>
+[[gnu::always_inline]] inline void LanesBody(const T* xs, int64_t a, int64_t b, int64_t n8, double* s) {
+  int64_t k = a;
+  for (; k + 8 <= std::min(b, n8); k += 8)
+    for (int j = 0; j < 8; ++j) s[j] += xs[k - a + j];
+  for (; k < b; ++k) s[0] += xs[k - a];
+}
+template <typename T>
+[[gnu::always_inline]] inline void Lanes4Body(const T* x0, const T* x1, const T* x2, const T* x3, int64_t n,
+                                              double (*s)[8]) {
+  const int64_t n8 = n / 8 * 8;
+  int64_t k = 0;
+  for (; k < n8; k += 8)
+    for (int j = 0; j < 8; ++j) {
+      s[0][j] += x0[k + j];
+      s[1][j] += x1[k + j];
+      s[2][j] += x2[k + j];
+      s[3][j] += x3[k + j];
+    }
+  for (; k < n; ++k) {
+    s[0][0] += x0[k];
+    s[1][0] += x1[k];
+    s[2][0] += x2[k];
+    s[3][0] += x3[k];
+  }
+}
+template <typename T>
+[[gnu::always_inline]] inline void ColumnBody(const T* xs, int64_t count, double* part) {
+  for (int64_t k = 0; k < count; ++k) part[k] += xs[k];
+}
+
+#define SS_ISA_VARIANTS(NAME, PARAMS, ARGS)                                      \
+  __attribute__((target("avx512f"))) void NAME##Avx512 PARAMS { NAME##Body ARGS; } \
+  __attribute__((target("avx2"))) void NAME##Avx2 PARAMS { NAME##Body ARGS; }      \
+  void NAME##Base PARAMS { NAME##Body ARGS; }
+SS_ISA_VARIANTS(Lanes, (const float* xs, int64_t a, int64_t b, int64_t n8, double* s), (xs, a, b, n8, s))
+SS_ISA_VARIANTS(Lanes4, (const float* x0, const float* x1, const float* x2, const float* x3, int64_t n, double (*s)[8]),
+                (x0, x1, x2, x3, n, s))
+SS_ISA_VARIANTS(Column, (const float* xs, int64_t count, double* part), (xs, count, part))
+#undef SS_ISA_VARIANTS
+
+int Isa() {
+  static const int isa = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
+  return isa;
+}
+template <typename T>
+void Lanes(const T* xs, int64_t a, int64_t b, int64_t n8, double* s) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int isa = Isa();
+    if (isa == 2) return LanesAvx512(xs, a, b, n8, s);
+    if (isa == 1) return LanesAvx2(xs, a, b, n8, s);
+    return LanesBase(xs, a, b, n8, s);
+  }
+  LanesBody(xs, a, b, n8, s);
+}
+template <typename T>
+void Lanes4(const T* x0, const T* x1, const T* x2, const T* x3, int64_t n, double (*s)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int isa = Isa();
+    if (isa == 2) return Lanes4Avx512(x0, x1, x2, x3, n, s);
+    if (isa == 1) return Lanes4Avx2(x0, x1, x2, x3, n, s);
+    return Lanes4Base(x0, x1, x2, x3, n, s);
+  }
+  Lanes4Body(x0, x1, x2, x3, n, s);
+}
+template <typename T>
+void Column(const T* xs, int64_t count, double* part) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int isa = Isa();
+    if (isa == 2) return ColumnAvx512(xs, count, part);
+    if (isa == 1) return ColumnAvx2(xs, count, part);
+    return ColumnBase(xs, count, part);
+  }
+  ColumnBody(xs, count, part);
+}
+
+// Elements [a, b) of one row (k counted from the row's start; xs points at element a; a is a
+// multiple of 8 or 0) added into the partial sums: along a reduced last axis into lanes s (Lanes),
+// else element k into part[k * inner].
+template <typename T>
+void AddRowPart(const ReduceLayout& l, const T* xs, int64_t a, int64_t b, double* s, double* part) {
+  if (l.inner == 0) {
+    Lanes(xs, a, b, l.n / 8 * 8, s);
+  } else if (l.inner == 1) {
+    Column(xs, b - a, part + a);
+  } else {
+    for (int64_t k = a; k < b; ++k) part[k * l.inner] += xs[k - a];
+  }
+}
+inline double LaneSum(const double* s) { return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])); }
+
+// Rows [r0, r1) of a layout whose last collapsed axis is reduced (inner == 0) summed into part, the
+// elements of row src at x + src - origin: four rows at a time (Lanes4), each row's lane sum then
+// added to part in row order: the bits of one row at a time.
+template <typename T>
+void SumRows(const ReduceLayout& l, int64_t r0, int64_t r1, const T* x, int64_t origin, double* part) {
+  constexpr int kRows = 4;
+  int64_t src[kRows], dst[kRows];
+  int count = 0;
+  auto flush = [&] {
+    double s[kRows][8] = {};
+    if (count == kRows) {
+      Lanes4(x + (src[0] - origin), x + (src[1] - origin), x + (src[2] - origin), x + (src[3] - origin), l.n, s);
+    } else {
+      for (int r = 0; r < count; ++r) AddRowPart(l, x + (src[r] - origin), 0, l.n, s[r], nullptr);
+    }
+    for (int r = 0; r < count; ++r) part[dst[r]] += LaneSum(s[r]);
+    count = 0;
+  };
+  ForRows(l, r0, r1, [&](int64_t s_, int64_t d_) {
+    src[count] = s_;
+    dst[count] = d_;
+    if (++count == kRows) flush();
+  });
+  flush();
+}
+
+// The blocks' partial sums (acc[blk * nout + i]) added in block order, divided for a mean.
+template <typename T>
+void Finish(const ReduceLayout& l, bool mean, const double* acc, T* out) {
+  for (int64_t i = 0; i < l.nout; ++i) {
+    double v = acc[i];
+    for (int64_t blk = 1; blk < l.blocks; ++blk) v += acc[blk * l.nout + i];
+    if (mean) v = l.count ? v / l.count : (std::is_same_v<T, float> ? NAN : 0.0);
+    if constexpr (std::is_same_v<T, float>) out[i] = static_cast<float>(v);
+    else out[i] = mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
+  }
+}
+
+template <typename Body>
+void ForBlocks(int64_t blocks, Body body) {
+  if (blocks == 1) return body(0);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks, 1), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t blk = r.begin(); blk < r.end(); ++blk) body(blk);
+  });
+}
+
+}  // namespace
+
 // Reduces `axes` of x (shape `shape`) into out. Max folds in increasing input index order (the
 // interpreter's order). Sums accumulate in double over fixed blocks of rows, run in parallel, whose
 // partial sums are then added in block order; within a row along a reduced last axis (after
@@ -90,97 +297,64 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
 template <typename T>
 void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape& out_shape, const T* x, T* out,
             std::vector<double>& acc) {
-  // The shape collapsed: size-1 dimensions dropped and neighbours both reduced or both kept merged
-  // (the same elements in the same order), so batch norm's reduction of NCHW over (0, 2, 3) reads
-  // rows of H*W contiguous elements, not rows of W.
-  Strides dims(shape.size()), reduced(shape.size());
-  int rank = 0;
-  int64_t count = 1;
-  for (size_t d = 0; d < shape.size(); ++d) {
-    const bool red = std::binary_search(axes.begin(), axes.end(), static_cast<int64_t>(d));
-    if (red) count *= shape[d];
-    if (shape[d] == 1) continue;
-    if (rank > 0 && reduced[rank - 1] == red) {
-      dims[rank - 1] *= shape[d];
-    } else {
-      dims[rank] = shape[d];
-      reduced[rank++] = red;
-    }
-  }
-  Strides acc_strides(rank, 0);
-  for (int64_t d = rank - 1, stride = 1; d >= 0; --d)
-    if (!reduced[d]) acc_strides[d] = stride, stride *= dims[d];
-  const int64_t nout = ir::NumElements(out_shape), total = ir::NumElements(shape);
-  const int64_t n = rank == 0 ? 1 : dims[rank - 1], inner = rank == 0 ? 0 : acc_strides[rank - 1];
-  const int64_t rows = n > 0 ? total / n : 0;
-  // row(src offset, dst offset) for rows [begin, end), walking the output index incrementally.
-  auto for_rows = [&](int64_t begin, int64_t end, auto row) {
-    if (total == 0 || begin >= end) return;
-    Strides idx(std::max(rank, 1));
-    int64_t dst = 0;
-    for (int64_t dd = rank - 2, rem = begin; dd >= 0; --dd) {
-      idx[dd] = rem % dims[dd];
-      rem /= dims[dd];
-      dst += idx[dd] * acc_strides[dd];
-    }
-    for (int64_t r = begin; r < end; ++r) {
-      row(r * n, dst);
-      for (int dd = rank - 2; dd >= 0; --dd) {
-        dst += acc_strides[dd];
-        if (++idx[dd] < dims[dd]) break;
-        dst -= acc_strides[dd] * dims[dd];
-        idx[dd] = 0;
-      }
-    }
-  };
+  const ReduceLayout l = LayoutOf(shape, axes, out_shape);
   if (op == OpCode::kReduceMax) {
     T init = std::numeric_limits<T>::lowest();
     if constexpr (std::is_same_v<T, float>) init = -INFINITY;
-    std::fill(out, out + nout, init);
-    for_rows(0, rows, [&](int64_t src, int64_t dst) {
-      for (int64_t k = 0; k < n; ++k) out[dst + k * inner] = MaxOf(out[dst + k * inner], x[src + k]);
+    std::fill(out, out + l.nout, init);
+    ForRows(l, 0, l.rows, [&](int64_t src, int64_t dst) {
+      for (int64_t k = 0; k < l.n; ++k) out[dst + k * l.inner] = MaxOf(out[dst + k * l.inner], x[src + k]);
     });
     return;
   }
-  // Blocks of about 64K elements (whole rows): the partition depends on the shape only.
-  const int64_t block_rows = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(n, 1));
-  const int64_t blocks = std::max<int64_t>(1, (rows + block_rows - 1) / block_rows);
-  acc.assign(blocks * nout, 0.0);
-  auto run_block = [&](int64_t blk) {
-    double* part = acc.data() + blk * nout;
-    for_rows(blk * block_rows, std::min(rows, (blk + 1) * block_rows), [&](int64_t src, int64_t dst) {
-      const T* xs = x + src;
-      if (inner == 0) {
-        double s[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // lane j sums elements j, j + 8, ... (a vector)
-        int64_t k = 0;
-        for (; k + 8 <= n; k += 8)
-          for (int j = 0; j < 8; ++j) s[j] += xs[k + j];
-        for (; k < n; ++k) s[0] += xs[k];
-        part[dst] += ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-      } else if (inner == 1) {
-        double* a = part + dst;
-        for (int64_t k = 0; k < n; ++k) a[k] += xs[k];
-      } else {
-        double* a = part + dst;
-        for (int64_t k = 0; k < n; ++k) a[k * inner] += xs[k];
+  acc.assign(l.blocks * l.nout, 0.0);
+  ForBlocks(l.blocks, [&](int64_t blk) {
+    double* part = acc.data() + blk * l.nout;
+    const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
+    if (l.inner == 0) return SumRows(l, r0, r1, x, 0, part);
+    ForRows(l, r0, r1, [&](int64_t src, int64_t dst) { AddRowPart(l, x + src, 0, l.n, nullptr, part + dst); });
+  });
+  Finish(l, op == OpCode::kReduceMean, acc.data(), out);
+}
+
+// The same sums as Reduce's, over operands produced a window at a time (see data_movement.h): a
+// window holds whole rows of a block, or (rows longer than the window) a multiple of 8 elements of
+// one row, whose lanes carry over to the row's next window, so every sum adds the same terms in the
+// same order as Reduce's.
+void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const* out, int64_t window,
+               WindowProducer produce, std::vector<double>& acc) {
+  acc.assign(l.blocks * l.nout * count, 0.0);
+  window = std::max<int64_t>(8, window / 8 * 8);
+  ForBlocks(l.blocks, [&](int64_t blk) {
+    const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
+    auto part = [&](int j) { return acc.data() + (static_cast<int64_t>(j) * l.blocks + blk) * l.nout; };
+    if (l.n <= window) {  // whole rows per window
+      const int64_t per = std::max<int64_t>(1, window / std::max<int64_t>(l.n, 1));
+      for (int64_t w0 = r0; w0 < r1; w0 += per) {
+        const int64_t w1 = std::min(r1, w0 + per), e0 = w0 * l.n;
+        const float* const* x = produce(e0, w1 * l.n);
+        for (int j = 0; j < count; ++j) {
+          double* p = part(j);
+          if (l.inner == 0) SumRows(l, w0, w1, x[j], e0, p);
+          else ForRows(l, w0, w1, [&](int64_t src, int64_t dst) { AddRowPart(l, x[j] + (src - e0), 0, l.n, nullptr, p + dst); });
+        }
       }
+      return;
+    }
+    constexpr int kMaxFused = 8;
+    double s[kMaxFused][8];
+    ForRows(l, r0, r1, [&](int64_t src, int64_t dst) {
+      for (int j = 0; j < count; ++j) std::fill_n(s[j], 8, 0.0);
+      for (int64_t a = 0; a < l.n; a += window) {
+        const int64_t b = std::min(l.n, a + window);
+        const float* const* x = produce(src + a, src + b);
+        for (int j = 0; j < count; ++j) AddRowPart(l, x[j], a, b, s[j], part(j) + dst);
+      }
+      if (l.inner == 0)
+        for (int j = 0; j < count; ++j) part(j)[dst] += LaneSum(s[j]);
     });
-  };
-  if (blocks == 1) {
-    run_block(0);
-  } else {
-    tbb::parallel_for(tbb::blocked_range<int64_t>(0, blocks, 1), [&](const tbb::blocked_range<int64_t>& r) {
-      for (int64_t blk = r.begin(); blk < r.end(); ++blk) run_block(blk);
-    });
-  }
-  const bool mean = op == OpCode::kReduceMean;
-  for (int64_t i = 0; i < nout; ++i) {
-    double v = acc[i];
-    for (int64_t blk = 1; blk < blocks; ++blk) v += acc[blk * nout + i];
-    if (mean) v = count ? v / count : (std::is_same_v<T, float> ? NAN : 0.0);
-    if constexpr (std::is_same_v<T, float>) out[i] = static_cast<float>(v);
-    else out[i] = mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
-  }
+  });
+  for (int j = 0; j < count; ++j) Finish(l, mean[j], acc.data() + static_cast<int64_t>(j) * l.blocks * l.nout, out[j]);
 }
 
 template void Reduce<float>(OpCode, const Shape&, const ir::IntList&, const Shape&, const float*, float*,

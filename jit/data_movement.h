@@ -41,9 +41,42 @@ void StridedGather(const ir::Shape& shape, const uint32_t* src, const Strides& s
 // dst viewed through `ds` = src (row-major over `shape`).
 void StridedScatter(const ir::Shape& shape, const uint32_t* src, uint32_t* dst, const Strides& ds);
 
+// A reduction's iteration space, collapsed (size-1 dimensions dropped, neighbouring dimensions both
+// reduced or both kept merged): `rows` rows of `n` contiguous elements (the last collapsed dimension,
+// reduced when inner == 0, else kept with output stride `inner`), summed in `blocks` blocks of
+// `block_rows` rows (about 64K elements: the partition depends on the shape only).
+struct ReduceLayout {
+  int rank = 0;
+  Strides dims, acc_strides;  // collapsed sizes; output strides of the kept ones (0: reduced)
+  int64_t count = 1;          // elements summed into each output (a mean divides by it)
+  int64_t nout = 0, total = 0, n = 1, inner = 0, rows = 0, block_rows = 1, blocks = 1;
+};
+ReduceLayout LayoutOf(const ir::Shape& shape, const ir::IntList& axes, const ir::Shape& out_shape);
+
 // Reduces `axes` of x (shape `shape`) into out (T = float or int32_t); `acc` holds partial sums.
 template <typename T>
 void Reduce(ir::OpCode op, const ir::Shape& shape, const ir::IntList& axes, const ir::Shape& out_shape, const T* x,
             T* out, std::vector<double>& acc);
+
+// Makes elements [e0, e1) of a fused reduction's operands (called from several threads at once, for
+// disjoint ranges) and returns per operand a pointer p with element e at p[e - e0]. A function
+// reference: no allocation per call.
+class WindowProducer {
+ public:
+  template <typename F>
+  WindowProducer(F& f)  // NOLINT: implicit, from a callable that outlives the call
+      : obj_(&f), call_([](void* o, int64_t e0, int64_t e1) { return (*static_cast<F*>(o))(e0, e1); }) {}
+  const float* const* operator()(int64_t e0, int64_t e1) const { return call_(obj_, e0, e1); }
+
+ private:
+  void* obj_;
+  const float* const* (*call_)(void*, int64_t, int64_t);
+};
+
+// `count` (<= 8) f32 sums or means over one layout whose operands are produced `window` elements at a
+// time (jit/compiled_step.cc: a fused loop writing a small per-thread buffer instead of memory): the
+// bits of Reduce's, since every sum adds the same terms in the same order. out[j]: nout elements.
+void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const* out, int64_t window,
+               WindowProducer produce, std::vector<double>& acc);
 
 }  // namespace shardstep::jit

@@ -20,6 +20,10 @@ struct JitOptions {
   std::string cache_dir;
   bool disk_cache = true;  // SHARDSTEP_JIT_CACHE=0 in the environment also turns it off
   bool memory_cache = true;  // reuse a step compiled earlier in this process
+  // Reductions run inside the fused loops that produce their operands, and broadcasts are read by
+  // every loop that uses them (jit/compiled_step.cc); off: each reduction reads a materialised
+  // operand (the same bits: tests compare the two). SHARDSTEP_JIT_FUSE_REDUCTIONS=0 turns it off too.
+  bool fuse_reductions = true;
 };
 
 // Where cached objects live for `options` (resolves the default).

@@ -1,7 +1,8 @@
 // KernelEmitter: fused elementwise groups -> LLVM IR loops that O3 vectorises.
 //
 // A broadcast member reads its operand through an index map (out index -> operand index); a rank-0
-// or single-element operand is read once before the loop.
+// or single-element operand is read once before the loop; along rows where every broadcast is
+// constant or contiguous (EmitBody), the index is computed once per row.
 // Each kernel is a thin entry `kN(i8** bufs, i64 begin, i64 end)` that loads its buffer pointers and
 // calls an always-inline body whose pointer parameters are `noalias` (every value has its own
 // buffer), so the loop vectoriser needs no runtime alias checks. No instruction carries fast-math
@@ -110,9 +111,66 @@ class Emitter {
   // f rounded to the nearest bf16, kept as f32 (the value every bf16-typed member holds).
   llvm::Value* RoundBf16(llvm::IRBuilder<>& b, llvm::Value* f) { return Widen(b, Bf16Bits(b, f), DType::kBF16); }
 
+  // A broadcast member read through an index map (not a scalar, a constant or a group value).
+  bool Gathers(const ir::Instr& in, const std::unordered_map<ValueId, llvm::Value*>& scalar) const {
+    if (in.op != OpCode::kBroadcast) return false;
+    const ValueId src = in.operands[0];
+    return !scalar.count(src) && m_.at(src).op != OpCode::kConstant && m_.type(src).shape != in.type.shape;
+  }
+
+  // How a gathering broadcast reads along the kernel's last `suffix` dimensions: constant (kInvariant:
+  // none of them comes from an operand dimension of size > 1), or one contiguous run of the operand
+  // (kContiguous: they are the operand's own last dimensions, in order); else kOther.
+  enum class Run { kInvariant, kContiguous, kOther };
+  Run RunOf(const ir::Instr& in, size_t suffix) const {
+    const ir::IntList& dims = in.GetInts("dims");
+    const ir::Shape& os = in.type.shape;
+    const ir::Shape& is = m_.type(in.operands[0]).shape;
+    const int64_t first = static_cast<int64_t>(os.size() - suffix);
+    bool invariant = true;
+    for (size_t d = 0; d < dims.size(); ++d) invariant &= dims[d] < first || is[d] == 1;
+    if (invariant) return Run::kInvariant;
+    if (dims.size() < suffix) return Run::kOther;
+    for (size_t j = 0; j < suffix; ++j) {
+      const size_t d = dims.size() - suffix + j;
+      if (dims[d] != first + static_cast<int64_t>(j) || is[d] != os[dims[d]]) return Run::kOther;
+    }
+    return Run::kContiguous;
+  }
+
+  // The operand index a broadcast member reads for output index iv (i64):
+  // sum_d ((iv / out_stride[dims[d]]) % out_shape[dims[d]]) * in_stride[d]; the divisors are constants,
+  // so LLVM turns them into multiplies (in 32 bits when the tensor allows: x86 vectorises i32 division
+  // by a constant, not i64).
+  llvm::Value* GatherIndex(llvm::IRBuilder<>& b, const ir::Instr& in, llvm::Value* i) {
+    const ir::IntList& dims = in.GetInts("dims");
+    const ir::Shape& os = in.type.shape;
+    const ir::Shape& is = m_.type(in.operands[0]).shape;
+    std::vector<int64_t> ostride(os.size(), 1), istride(is.size(), 1);
+    for (int64_t d = static_cast<int64_t>(os.size()) - 2; d >= 0; --d) ostride[d] = ostride[d + 1] * os[d + 1];
+    for (int64_t d = static_cast<int64_t>(is.size()) - 2; d >= 0; --d) istride[d] = istride[d + 1] * is[d + 1];
+    const bool narrow = in.type.elements() < (int64_t{1} << 31);
+    llvm::Type* it = narrow ? b.getInt32Ty() : b.getInt64Ty();
+    auto C = [&](int64_t c) { return llvm::ConstantInt::get(it, static_cast<uint64_t>(c)); };
+    llvm::Value* iv = narrow ? b.CreateTrunc(i, it) : i;
+    llvm::Value* idx = C(0);
+    for (size_t d = 0; d < dims.size(); ++d) {
+      if (is[d] == 1) continue;
+      llvm::Value* q = ostride[dims[d]] == 1 ? iv : b.CreateUDiv(iv, C(ostride[dims[d]]));
+      if (dims[d] != 0) q = b.CreateURem(q, C(os[dims[d]]));
+      idx = b.CreateAdd(idx, istride[d] == 1 ? q : b.CreateMul(q, C(istride[d])));
+    }
+    return narrow ? b.CreateZExt(idx, b.getInt64Ty()) : idx;
+  }
+
+  // The loop. Without gathering broadcasts: one flat loop over [begin, end). With them, when the
+  // kernel's last dimensions form rows along which every such broadcast is constant or contiguous
+  // (batch norm's per-channel scale over H*W, a bias along the last dimension), [begin, end) is cut
+  // at row boundaries: per row the broadcasts' indices are computed once (a constant value loaded
+  // before the row's loop, or an offset added to i), so the inner loop vectorises with no gathers.
+  // Each element's arithmetic is the same either way.
   void EmitBody(const FusedKernel& k, llvm::Function* f) {
     llvm::BasicBlock* entry = llvm::BasicBlock::Create(ctx_, "entry", f);
-    llvm::BasicBlock* loop = llvm::BasicBlock::Create(ctx_, "loop", f);
     llvm::BasicBlock* exit = llvm::BasicBlock::Create(ctx_, "exit", f);
     llvm::IRBuilder<> b(entry);
     const size_t nin = k.inputs.size();
@@ -129,12 +187,56 @@ class Emitter {
       if (m_.type(v).shape != k.shape && m_.type(v).elements() == 1)
         scalar[v] = Widen(b, b.CreateLoad(ElemTy(dt), f->getArg(static_cast<unsigned>(j))), dt);
     }
-    b.CreateCondBr(b.CreateICmpSLT(begin, end), loop, exit);
+
+    // Rows: the longest suffix of the shape along which every gathering broadcast runs (kOther for none).
+    std::vector<ValueId> gathers;
+    for (ValueId v : k.members)
+      if (Gathers(m_.at(v), scalar)) gathers.push_back(v);
+    size_t suffix = 0;
+    int64_t row = 1;
+    for (size_t s = 1; !gathers.empty() && s <= k.shape.size(); ++s) {
+      bool ok = true;
+      for (ValueId v : gathers) ok &= RunOf(m_.at(v), s) != Run::kOther;
+      if (!ok) break;
+      suffix = s;
+      row *= k.shape[k.shape.size() - s];
+    }
+    const bool rows = suffix > 0 && row >= 8;  // shorter rows: the flat loop's gathers are faster
+
+    // Per row (or nothing): the broadcasts' constant values and contiguous offsets.
+    std::unordered_map<ValueId, llvm::Value*> val_outer, offset;
+    llvm::PHINode* seg_begin = nullptr;
+    llvm::Value* seg_end = end;
+    llvm::BasicBlock* outer = nullptr;
+    if (rows) {
+      outer = llvm::BasicBlock::Create(ctx_, "row", f, exit);
+      b.CreateCondBr(b.CreateICmpSLT(begin, end), outer, exit);
+      b.SetInsertPoint(outer);
+      seg_begin = b.CreatePHI(b.getInt64Ty(), 2, "seg");
+      seg_begin->addIncoming(begin, entry);
+      llvm::Value* row_start = b.CreateMul(b.CreateUDiv(seg_begin, b.getInt64(row)), b.getInt64(row));
+      llvm::Value* row_end = b.CreateAdd(row_start, b.getInt64(row));
+      seg_end = b.CreateSelect(b.CreateICmpSLT(row_end, end), row_end, end);
+      for (ValueId v : gathers) {
+        const ir::Instr& in = m_.at(v);
+        const ValueId src = in.operands[0];
+        llvm::Value* base = GatherIndex(b, in, row_start);
+        llvm::Type* t = ElemTy(m_.type(src).dtype);
+        if (RunOf(in, suffix) == Run::kInvariant)
+          val_outer[v] = Widen(b, b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), base)), m_.type(src).dtype);
+        else
+          offset[v] = b.CreateSub(base, row_start);  // operand index = i + offset
+      }
+    }
+    llvm::BasicBlock* loop = llvm::BasicBlock::Create(ctx_, "loop", f, exit);
+    llvm::BasicBlock* pre = b.GetInsertBlock();
+    if (rows) b.CreateBr(loop);
+    else b.CreateCondBr(b.CreateICmpSLT(begin, end), loop, exit);
 
     b.SetInsertPoint(loop);
     llvm::PHINode* i = b.CreatePHI(b.getInt64Ty(), 2, "i");
-    i->addIncoming(begin, entry);
-    std::unordered_map<ValueId, llvm::Value*> val;
+    i->addIncoming(rows ? static_cast<llvm::Value*>(seg_begin) : begin, pre);
+    std::unordered_map<ValueId, llvm::Value*> val = val_outer;
     auto operand = [&](ValueId o) -> llvm::Value* {
       if (auto it = val.find(o); it != val.end()) return it->second;
       if (auto it = scalar.find(o); it != scalar.end()) return it->second;
@@ -155,29 +257,10 @@ class Emitter {
     };
     for (ValueId v : k.members) {
       const ir::Instr& in = m_.at(v);
-      const ValueId src = in.operands.empty() ? ir::kNoValue : in.operands[0];
-      if (in.op == OpCode::kBroadcast && !val.count(src) && !scalar.count(src) && m_.at(src).op != OpCode::kConstant) {
-        // out[i] = operand[sum_d ((i / out_stride[dims[d]]) % out_shape[dims[d]]) * in_stride[d]];
-        // the divisors are constants, so LLVM turns them into multiplies.
-        const ir::IntList& dims = in.GetInts("dims");
-        const ir::Shape& os = in.type.shape;
-        const ir::Shape& is = m_.type(src).shape;
-        std::vector<int64_t> ostride(os.size(), 1), istride(is.size(), 1);
-        for (int64_t d = static_cast<int64_t>(os.size()) - 2; d >= 0; --d) ostride[d] = ostride[d + 1] * os[d + 1];
-        for (int64_t d = static_cast<int64_t>(is.size()) - 2; d >= 0; --d) istride[d] = istride[d + 1] * is[d + 1];
-        // In 32 bits when the tensor allows: x86 vectorises i32 division by a constant, not i64.
-        const bool narrow = in.type.elements() < (int64_t{1} << 31);
-        llvm::Type* it = narrow ? b.getInt32Ty() : b.getInt64Ty();
-        auto C = [&](int64_t c) { return llvm::ConstantInt::get(it, static_cast<uint64_t>(c)); };
-        llvm::Value* iv = narrow ? b.CreateTrunc(i, it) : static_cast<llvm::Value*>(i);
-        llvm::Value* idx = C(0);
-        for (size_t d = 0; d < dims.size(); ++d) {
-          if (is[d] == 1) continue;
-          llvm::Value* q = ostride[dims[d]] == 1 ? iv : b.CreateUDiv(iv, C(ostride[dims[d]]));
-          if (dims[d] != 0) q = b.CreateURem(q, C(os[dims[d]]));
-          idx = b.CreateAdd(idx, istride[d] == 1 ? q : b.CreateMul(q, C(istride[d])));
-        }
-        if (narrow) idx = b.CreateZExt(idx, b.getInt64Ty());
+      if (val.count(v)) continue;  // a broadcast constant along the row
+      if (Gathers(in, scalar)) {
+        const ValueId src = in.operands[0];
+        llvm::Value* idx = rows ? b.CreateAdd(i, offset.at(v)) : GatherIndex(b, in, i);
         llvm::Type* t = ElemTy(m_.type(src).dtype);
         llvm::Value* loaded = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), idx));
         val[v] = Widen(b, loaded, m_.type(src).dtype);
@@ -196,7 +279,15 @@ class Emitter {
     }
     llvm::Value* next = b.CreateAdd(i, b.getInt64(1), "next", /*HasNUW=*/true, /*HasNSW=*/true);
     i->addIncoming(next, b.GetInsertBlock());
-    b.CreateCondBr(b.CreateICmpSLT(next, end), loop, exit);
+    if (!rows) {
+      b.CreateCondBr(b.CreateICmpSLT(next, end), loop, exit);
+    } else {
+      llvm::BasicBlock* latch = llvm::BasicBlock::Create(ctx_, "row.next", f, exit);
+      b.CreateCondBr(b.CreateICmpSLT(next, seg_end), loop, latch);
+      b.SetInsertPoint(latch);
+      seg_begin->addIncoming(seg_end, latch);
+      b.CreateCondBr(b.CreateICmpSLT(seg_end, end), outer, exit);
+    }
     b.SetInsertPoint(exit);
     b.CreateRetVoid();
   }
