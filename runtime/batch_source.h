@@ -38,15 +38,20 @@ class EvalSet {
 
 }  // namespace shardstep::runtime
 
-#include <future>
+#include <condition_variable>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 namespace shardstep::runtime {
 
 // Prepares the next batch on another thread while the caller runs the step (double buffering). It
 // hands out exactly the batches of the wrapped source in the same order, and epoch()/position()
 // describe the batch last returned by Next (not the one being prepared), so checkpoints and Seek
-// behave as without prefetching. Next's buffers are swapped with the prepared ones (no copy).
+// behave as without prefetching. Next's buffers are swapped with the prepared ones (no copy). One
+// worker thread, created at the first Next and parked between batches (not a thread per batch), at
+// idle priority: it uses the cores the step leaves idle instead of taking one from the step.
 class PrefetchingSource : public BatchSource {
  public:
   explicit PrefetchingSource(std::unique_ptr<BatchSource> inner);
@@ -63,11 +68,18 @@ class PrefetchingSource : public BatchSource {
  private:
   void Wait();   // for the batch being prepared, if any (rethrows its error)
   void Start();  // prepares the next batch into next_
+  void Work();   // the worker's loop
 
   std::unique_ptr<BatchSource> owned_;
   BatchSource* inner_;
   TensorMap next_;
-  std::future<void> pending_;
+  std::thread worker_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool requested_ = false;  // Start asked for a batch the worker has not taken yet
+  bool busy_ = false;       // a batch is being prepared (requested or in progress)
+  bool stop_ = false;
+  std::exception_ptr error_;  // the last preparation's failure, rethrown by Wait
   bool ready_ = false;  // next_ holds a prepared batch
   int64_t next_epoch_ = 0, next_position_ = 0;
   int64_t epoch_ = 0, position_ = 0;
