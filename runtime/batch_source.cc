@@ -18,7 +18,7 @@ PrefetchingSource::~PrefetchingSource() {
   if (!worker_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;  // after the batch in progress, if any: the worker writes into next_ and reads inner_
+    stop_ = true;  // after the requested batch, if any: the worker writes into next_ and reads inner_
   }
   cv_.notify_all();
   worker_.join();
@@ -33,8 +33,8 @@ void PrefetchingSource::Work() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [this] { return requested_ || stop_; });
-    if (stop_) return;
-    requested_ = false;
+    if (!requested_) return;  // stopped; a batch already requested is still prepared, so the wrapped
+    requested_ = false;       // source always ends one batch ahead (as the caller saw it start)
     lock.unlock();
     std::exception_ptr error;
     try {
