@@ -14,6 +14,10 @@
 // the loop too: a scalar (rank-0 value, splat constant) is read once per kernel, any other operand
 // through an index map, so neither is materialised at the output's size.
 // Not fused (yet): reductions, so a trailing full reduction (a norm) is its own pass over memory.
+// A comparison whose grouped operands are written to memory anyway (a non-fusible op reads them) does
+// not join their group: it starts its own, which its consumers join. relu's gradient mask (y > 0) is
+// then computed in the backward loop from y, which the next layer read anyway, instead of being
+// written by the forward loop as one more tensor and read back. Forward uses still merge back in.
 #include "ir/passes/elementwise_fuser.h"
 
 #include <algorithm>
@@ -30,6 +34,25 @@ bool IsFusible(const Module& m, ValueId v) {
 }
 
 namespace {
+
+bool IsComparison(OpCode op) {
+  return op == OpCode::kEq || op == OpCode::kNe || op == OpCode::kLt || op == OpCode::kLe || op == OpCode::kGt ||
+         op == OpCode::kGe;
+}
+
+// Values some non-fusible op reads, or the module returns or assigns: in memory whatever the fuser does.
+// (Sums and means do not count: the JIT may fuse them with the loop producing their operand.)
+std::vector<char> Materialised(const Module& m) {
+  std::vector<char> out(m.size(), 0);
+  for (const auto& [name, v] : m.outputs) out[v] = 1;
+  for (const auto& [var, v] : m.assigns) out[v] = 1;
+  for (ValueId u = 0; u < m.size(); ++u) {
+    const Instr& in = m.at(u);
+    if (IsFusible(m, u) || in.op == OpCode::kReduceSum || in.op == OpCode::kReduceMean) continue;
+    for (ValueId o : in.operands) out[o] = 1;
+  }
+  return out;
+}
 
 // Which groups each value depends on: for value v, a bitset over group ids of the groups its
 // ancestors-or-self were put in when they were visited (a value is visited once, in module order, and
@@ -79,6 +102,7 @@ bool ElementwiseFuser::Run(Module& m) {
   std::vector<std::vector<int>> ids;      // per group: the group ids merged into it (itself included)
   std::vector<Shape> shape;
   GroupDeps deps(n);
+  const std::vector<char> materialised = Materialised(m);
   // Would operand `p` of a member of `into` (or of the new member) close a cycle through group `g`?
   // (Does p depend on a member of g through a path that leaves the group: p is not in g, so any path.)
   auto reaches = [&](ValueId p, int g) { return deps.Meets(p, ids[g]); };
@@ -98,10 +122,12 @@ bool ElementwiseFuser::Run(Module& m) {
       continue;
     }
     const Instr& in = m.at(v);
+    bool own_group = IsComparison(in.op);
+    for (ValueId o : in.operands) own_group &= group[o] < 0 || materialised[o];
     int chosen = -1;
     for (ValueId o : in.operands) {
       const int g = group[o];
-      if (g < 0 || g == chosen || shape[g] != in.type.shape) continue;
+      if (own_group || g < 0 || g == chosen || shape[g] != in.type.shape) continue;
       if (chosen < 0) {
         // v joins g unless one of its other operands depends on g through a non-member.
         bool cycle = false;

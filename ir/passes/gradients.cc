@@ -95,9 +95,10 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     // z = sigmoid(x) / dx = dz * z * (1 - z)
     case OpCode::kSigmoid:
       return {b.Mul(b.Mul(dz, z), b.Sub(b.ScalarLike(1.0, z), z))};
-    // z = max(x, 0) / dx = select(x > 0, dz, 0)
+    // z = max(x, 0) / dx = select(z > 0, dz, 0): z > 0 exactly when x > 0 (NaN: both false). From the
+    // output, which the next layer reads anyway, so the forward pass need not keep a mask (as PyTorch).
     case OpCode::kRelu:
-      return {b.Select(CmpZero(b, OpCode::kGt, o[0]), dz, Zero(b, dz))};
+      return {b.Select(CmpZero(b, OpCode::kGt, z), dz, Zero(b, dz))};
     // z = sin(x) / dx = dz * cos(x)
     case OpCode::kSin:
       return {b.Mul(dz, b.Unary(OpCode::kCos, o[0]))};

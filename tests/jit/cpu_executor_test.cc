@@ -210,6 +210,37 @@ TEST_CASE("ElementwiseFuser puts a tensor's whole Adam update in one group and c
   for (auto& [name, t] : s1) CHECK(t == s2.at(name));
 }
 
+TEST_CASE("relu's gradient mask is computed in the backward loop from relu's output, not kept by the forward one",
+          "[jit][fuser]") {
+  for (bool cnn : {false, true}) {
+    dsl::Program p = Build(cnn, dsl::Adam().lr(1e-3));
+    ir::Module fused = p.step;
+    ir::ElementwiseFuser().Run(fused);
+    const auto users = fused.Users();
+    int relus = 0;
+    for (ir::ValueId v = 0; v < fused.size(); ++v) {
+      if (fused.at(v).op != ir::OpCode::kRelu) continue;
+      ++relus;
+      INFO((cnn ? "cnn" : "mlp") << " relu %" << v);
+      const int forward = fused.at(v).GetInt(ir::kFusionAttr, -1);
+      int masks = 0;
+      for (ir::ValueId u : users[v]) {
+        if (fused.at(u).op != ir::OpCode::kGt) continue;
+        ++masks;
+        // The mask's group is not the forward loop's, and the select reading it is in the mask's group.
+        const int group = fused.at(u).GetInt(ir::kFusionAttr, -1);
+        CHECK(group != forward);
+        for (ir::ValueId s : users[u]) {
+          CHECK(fused.at(s).op == ir::OpCode::kSelect);
+          CHECK(fused.at(s).GetInt(ir::kFusionAttr, -1) == group);
+        }
+      }
+      CHECK(masks == 1);
+    }
+    CHECK(relus >= 2);
+  }
+}
+
 TEST_CASE("the disk cache skips compilation, and a corrupt entry is rejected and recompiled", "[jit][cache]") {
   namespace fs = std::filesystem;
   const fs::path dir = fs::temp_directory_path() / ("shardstep-jit-cache-test-" + std::to_string(::getpid()));
