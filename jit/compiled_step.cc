@@ -209,6 +209,33 @@ void ReadBf16OperandsInPlace(ir::Module& m) {
     in.attrs[kBf16OperandsAttr] = int64_t{1};
   }
 }
+// relu's gradient after max pooling's, select(x > 0, max_pool_grad(x, dy), 0) with x the pooled relu
+// output, is one pass of the pooling gradient with the mask (cpu_kernels.h MaxPoolGrad): the gradient is
+// not written and read back. The JIT's own form, marked kReluMaskAttr; the same bits.
+constexpr const char* kReluMaskAttr = "jit_relu_mask";
+bool IsZeroSplat(const ir::Module& m, ValueId v) {
+  const ir::Instr& in = m.at(v);
+  if (in.op != OpCode::kConstant || in.type.dtype != DType::kF32 || !in.Has("value")) return false;
+  return in.GetFloat("value") == 0.0 && !std::signbit(in.GetFloat("value"));
+}
+void MaskMaxPoolGradsByRelu(ir::Module& m) {
+  const auto users = m.Users();
+  bool changed = false;
+  for (ValueId s = 0; s < m.size(); ++s) {
+    const ir::Instr& sel = m.at(s);
+    if (sel.op != OpCode::kSelect || !IsZeroSplat(m, sel.operands[2])) continue;
+    const ir::Instr& mask = m.at(sel.operands[0]);
+    const ValueId g = sel.operands[1];
+    const ir::Instr& grad = m.at(g);
+    if (mask.op != OpCode::kGt || !IsZeroSplat(m, mask.operands[1]) || grad.op != OpCode::kMaxPoolGrad ||
+        grad.operands[0] != mask.operands[0] || users[g].size() != 1 || grad.Has(kReluMaskAttr))
+      continue;
+    m.at(g).attrs[kReluMaskAttr] = int64_t{1};
+    m.ReplaceAllUses(s, g);
+    changed = true;
+  }
+  if (changed) m.Canonicalize();
+}
 // (By the dtypes, not the attribute: a step allocates nothing, and the attribute's name is a string.)
 bool HasBf16Operands(const ir::Module& m, const ir::Instr& in) {
   return in.op == OpCode::kMatmul && in.type.dtype == DType::kF32 && m.type(in.operands[0]).dtype == DType::kBF16;
@@ -634,6 +661,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   const auto t0 = std::chrono::steady_clock::now();
   ir::Module m = module;
   ReadBf16OperandsInPlace(m);
+  MaskMaxPoolGradsByRelu(m);
   ir::ElementwiseFuser().Run(m);
   const std::string text = ir::Print(m);
   static const bool fuse_env = [] {
@@ -927,7 +955,8 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       const float* x = static_cast<const float*>(P(0));
       float* y = static_cast<float*>(out);
       if (in.op == OpCode::kMaxPool) MaxPool(PoolShapeOf(shape(0), in), x, y);
-      else if (in.op == OpCode::kMaxPoolGrad) MaxPoolGrad(PoolShapeOf(shape(0), in), x, static_cast<const float*>(P(1)), y);
+      else if (in.op == OpCode::kMaxPoolGrad)
+        MaxPoolGrad(PoolShapeOf(shape(0), in), x, static_cast<const float*>(P(1)), y, in.GetInt(kReluMaskAttr, 0) != 0);
       else if (in.op == OpCode::kAvgPool) AvgPool(PoolShapeOf(shape(0), in), x, y);
       else AvgPoolGrad(PoolShapeOf(in.type.shape, in), x, y);
       return;

@@ -241,7 +241,22 @@ void MaxPool(const PoolShape& g, const float* x, float* y) {
   ForEachWindow(g, [&](int64_t i, int64_t o) { y[o] = x[i + runtime::WindowArgMax(x + i, g)]; });
 }
 
-void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx) {
+namespace {
+// select(x > 0, dx, 0), in place: x > 0 is false for NaN, as the comparison in the IR.
+void MaskByPositive(int64_t n, const float* x, float* dx) {
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, int64_t{1} << 14), [&](const tbb::blocked_range<int64_t>& r) {
+    for (int64_t i = r.begin(); i < r.end(); ++i) dx[i] = x[i] > 0.0f ? dx[i] : 0.0f;
+  });
+}
+inline uint32_t PositiveMask(float c) { return 0u - static_cast<uint32_t>(c > 0.0f); }
+}  // namespace
+
+void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx, bool relu_mask) {
+  if (relu_mask && !(g.pad == 0 && Is2x2(g) && g.h == 2 * g.oh && g.w == 2 * g.ow)) {
+    MaxPoolGrad(g, x, dy, dx, false);
+    MaskByPositive(g.planes * g.h * g.w, x, dx);
+    return;
+  }
   if (g.pad > 0) {  // a plane's windows are visited by one task, in order: no race, the interpreter's order
     std::fill(dx, dx + g.planes * g.h * g.w, 0.0f);
     ForEachPaddedWindow(g, [&](int64_t plane, int64_t, int64_t oy, int64_t ox, int64_t o) {
@@ -251,6 +266,7 @@ void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx)
   }
   if (Is2x2(g) && g.h == 2 * g.oh && g.w == 2 * g.ow) {
     // The windows tile the plane: one pass writes every element of dx (no separate zeroing).
+    const uint32_t unmasked = relu_mask ? 0u : ~0u;  // branch-free: the inputs look random
     ForEachPlaneRow(g, [&](int64_t r0, int64_t r1, int64_t o) {
       const float* __restrict a = x + r0;
       const float* __restrict c = x + r1;
@@ -265,7 +281,9 @@ void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx)
         const uint32_t k2 = TakeMask(c2, Float(b));
         b = Blend(k2, Bits(c2), b);
         const uint32_t k3 = TakeMask(c3, Float(b));
-        const uint32_t m3 = k3, m2 = k2 & ~k3, m1 = k1 & ~k2 & ~k3, m0 = ~(k1 | k2 | k3);
+        uint32_t m3 = k3, m2 = k2 & ~k3, m1 = k1 & ~k2 & ~k3, m0 = ~(k1 | k2 | k3);
+        m0 &= PositiveMask(c0) | unmasked, m1 &= PositiveMask(c1) | unmasked;
+        m2 &= PositiveMask(c2) | unmasked, m3 &= PositiveMask(c3) | unmasked;
         const uint32_t d = Bits(0.0f + d_out[j]);  // 0 + dy, as the interpreter accumulates
         da[2 * j] = Float(d & m0);  // +0 where the mask is clear
         da[2 * j + 1] = Float(d & m1);

@@ -29,6 +29,8 @@ void Conv2dFilterGrad(const ConvShape& g, const float* x, const float* dy, float
 using PoolShape = runtime::PoolWindow;
 inline PoolShape PoolShapeOf(const ir::Shape& x, const ir::Instr& in) { return runtime::PoolWindowOf(x, in); }
 void MaxPool(const PoolShape& g, const float* x, float* y);
-void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx);
+// relu_mask: dx where x > 0 and +0 elsewhere (relu's gradient applied in the same pass; the JIT's
+// MaskMaxPoolGradsByRelu).
+void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx, bool relu_mask = false);
 
 }  // namespace shardstep::jit

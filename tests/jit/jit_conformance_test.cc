@@ -1265,6 +1265,38 @@ TEST_CASE("a fused Adam-like chain is bitwise equal to the interpreter", "[jit]"
   }
 }
 
+// relu's gradient after max pooling's, select(y > 0, max_pool_grad(y, dy), 0) with y = relu(x), runs
+// in the pooling gradient's own pass (jit/compiled_step.cc MaskMaxPoolGradsByRelu): no select is left
+// in any loop, and the result is the interpreter's bit for bit (overlapping windows add in the same
+// order). y on a grid: zeros and ties, where the mask and the first maximum decide.
+TEST_CASE("relu's mask after a max pooling gradient runs in the pooling gradient's pass", "[jit]") {
+  struct Pool {
+    ir::Shape x, y;
+    IntList window, stride;
+  };
+  for (const Pool& p : {Pool{{4, 16, 28, 28}, {4, 16, 14, 14}, {2, 2}, {2, 2}}, Pool{{2, 3, 9, 7}, {2, 3, 4, 3}, {2, 2}, {2, 2}},
+                        Pool{{2, 3, 9, 7}, {2, 3, 4, 3}, {3, 3}, {2, 2}}}) {
+    const std::string what = "window " + std::to_string(p.window[0]) + ", input " + std::to_string(p.x[2]) + "x" +
+                             std::to_string(p.x[3]);
+    CaseBuilder cb("relu mask after max_pool_grad, " + what);
+    ir::Builder& b = cb.b;
+    auto y = b.Unary(OpCode::kRelu, cb.InSigned(F(p.x), Dist::kGrid));
+    auto dy = cb.In(F(p.y));
+    auto grad = b.Emit(OpCode::kMaxPoolGrad, {y, dy}, {{"window", p.window}, {"stride", p.stride}});
+    Case c = cb.Out(b.Select(b.Emit(OpCode::kGt, {y, b.ScalarLike(0.0, y)}), grad, b.ScalarLike(0.0, grad)));
+    auto step = jit::CompiledStep::Compile(c.m, jit::JitOptions{"", false});
+    for (const auto& k : step->kernels())
+      for (ir::ValueId v : k.members) CHECK(step->module().at(v).op != OpCode::kSelect);
+    TensorMap vars;
+    TensorMap ref = RunStep(c.m, vars, c.inputs), got = JitStep(c.m, vars, c.inputs);
+    for (auto& [k, t] : ref) {
+      const Verdict v = Compare(t, got.at(k), Tolerance::Exact());
+      INFO(what << " output " << k << "\n" << v.message);
+      CHECK(v.ok);
+    }
+  }
+}
+
 // Broadcasts inside a fused loop are read per row when every one of them is constant (batch norm's
 // per-channel values over H*W) or contiguous (a bias along the last dimensions) along the kernel's
 // last dimensions (jit/kernel_emitter.cc EmitBody); else per element through the index map. Either

@@ -56,6 +56,7 @@ int StopMidRun(const std::string& log, const std::string& output, int sig) {
   REQUIRE(waitpid(pid, &status, 0) == pid);
   INFO(Slurp(output));
   REQUIRE(started);
+  if (WIFSIGNALED(status)) return -1000 - WTERMSIG(status);  // killed: -1000 - the signal
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
