@@ -15,6 +15,7 @@
 #include "cli/commands.h"
 #include "cli/config_file.h"
 #include "ir/error.h"
+#include "runtime/stop_signal.h"
 
 using namespace shardstep;
 
@@ -79,6 +80,7 @@ int Main(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   try {
+    runtime::StartStopSignalWatcher();  // before any thread: no compute thread takes SIGTERM / SIGINT
     return Main(argc, argv);
   } catch (const Error& e) {
     PrintError(e.what());

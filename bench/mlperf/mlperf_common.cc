@@ -355,6 +355,7 @@ double OlympicMean(std::vector<double> seconds) {
 }
 
 int Main(const Benchmark& recipe, int argc, char** argv) {
+  runtime::StartStopSignalWatcher();  // before any thread: no compute thread takes SIGTERM / SIGINT
   Benchmark b = recipe;  // with the flags' overrides
   Flags f;
   CLI::App app{Str(b.name, ": ", b.description)};
