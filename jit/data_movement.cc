@@ -4,6 +4,8 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include <emmintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -285,6 +287,33 @@ void ForBlocks(int64_t blocks, Body body) {
   });
 }
 
+// The maximum of a row as the fold in index order (MaxOf from -inf) leaves it: where the row has no NaN
+// and its maximum is not zero, every element equal to the maximum has its bits, so the order does not
+// matter and four SSE lanes find it; otherwise (the first NaN's bits, or the last of +0 and -0 wins)
+// the fold itself.
+float RowMax(const float* x, int64_t n) {
+  __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0, unordered = _mm_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    const __m128 a = _mm_loadu_ps(x + k), b = _mm_loadu_ps(x + k + 4);
+    unordered = _mm_or_ps(unordered, _mm_cmpunord_ps(a, b));
+    m0 = _mm_max_ps(m0, a);
+    m1 = _mm_max_ps(m1, b);
+  }
+  float lanes[4];
+  _mm_storeu_ps(lanes, _mm_max_ps(m0, m1));
+  float best = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+  bool nan = _mm_movemask_ps(unordered) != 0;
+  for (; k < n; ++k) {
+    nan |= x[k] != x[k];
+    best = x[k] > best ? x[k] : best;
+  }
+  if (!nan && best != 0.0f) return best;
+  float fold = -INFINITY;
+  for (k = 0; k < n; ++k) fold = MaxOf(fold, x[k]);
+  return fold;
+}
+
 }  // namespace
 
 // Reduces `axes` of x (shape `shape`) into out. Max folds in increasing input index order (the
@@ -301,6 +330,15 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
   if (op == OpCode::kReduceMax) {
     T init = std::numeric_limits<T>::lowest();
     if constexpr (std::is_same_v<T, float>) init = -INFINITY;
+    if constexpr (std::is_same_v<T, float>) {
+      if (l.inner == 0 && l.rows == l.nout && l.n >= 8) {  // one row per output (softmax's max): rows in parallel
+        const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / l.n);
+        tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.rows, grain), [&](const tbb::blocked_range<int64_t>& r) {
+          for (int64_t row = r.begin(); row < r.end(); ++row) out[row] = RowMax(x + row * l.n, l.n);
+        });
+        return;
+      }
+    }
     std::fill(out, out + l.nout, init);
     ForRows(l, 0, l.rows, [&](int64_t src, int64_t dst) {
       for (int64_t k = 0; k < l.n; ++k) out[dst + k * l.inner] = MaxOf(out[dst + k * l.inner], x[src + k]);

@@ -1295,6 +1295,36 @@ TEST_CASE("relu's mask after a max pooling gradient runs in the pooling gradient
   }
 }
 
+// A max over the last axis (softmax's) runs rows in parallel and finds each row's maximum in SSE lanes
+// (jit/data_movement.cc RowMax); where the order of the interpreter's fold shows in the bits (the first
+// NaN's payload, the last of +0 and -0) it folds. Rows of 8, 13 and 128 elements, with such specials
+// at both ends of a row and in its middle, and ordinary random rows: bitwise equal.
+TEST_CASE("reduce_max over rows keeps the interpreter's bits: NaN payloads, signed zeros, infinities", "[jit]") {
+  auto bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  const float nan1 = bits(0x7fc00001u), nan2 = bits(0xffc00002u), inf = INFINITY;
+  for (int64_t n : {int64_t{8}, int64_t{13}, int64_t{128}}) {
+    const int64_t rows = 300;
+    CaseBuilder cb("reduce_max rows of " + std::to_string(n));
+    auto x = cb.InSigned(F({rows, n}), Dist::kGrid);  // a grid: ties between equal values
+    Tensor& t = cb.c.inputs.begin()->second;
+    auto row = [&](int64_t r) { return t.f32.data() + r * n; };
+    std::fill(row(0), row(0) + n, -inf);                                       // all -inf
+    std::fill(row(1), row(1) + n, -1.0f), row(1)[0] = 0.0f, row(1)[n - 1] = -0.0f;  // +0 then -0: -0
+    std::fill(row(2), row(2) + n, -1.0f), row(2)[1] = -0.0f, row(2)[n - 2] = 0.0f;  // -0 then +0: +0
+    row(3)[n / 2] = nan1, row(3)[n - 1] = nan2;                                 // the first NaN's payload
+    row(4)[0] = nan2, row(4)[n - 1] = nan1;
+    row(5)[n - 1] = nan1;                                                       // NaN in the tail
+    row(6)[2] = inf, row(6)[n - 1] = inf;
+    std::fill(row(7), row(7) + n, 0.0f), row(7)[n / 2] = -0.0f;                 // zeros: the last +0
+    std::fill(row(8), row(8) + n, -0.0f);
+    CheckBitwise(cb.Out(cb.b.Emit(OpCode::kReduceMax, {x}, {{"axes", IntList{1}}})), "rows of " + std::to_string(n));
+  }
+}
+
 // Broadcasts inside a fused loop are read per row when every one of them is constant (batch norm's
 // per-channel values over H*W) or contiguous (a bias along the last dimensions) along the kernel's
 // last dimensions (jit/kernel_emitter.cc EmitBody); else per element through the index map. Either
