@@ -7,7 +7,8 @@
 // (bench/mlperf/mlperf_bert.cc's size, LAMB). Also, in the same binary: the MLP step against its bound (its
 // GEMMs on oneDNN + the Adam update's bytes at a STREAM triad rate measured here), the replication overhead
 // (N = 8 in-process replicas with the sharded weight update vs N = 1 on the same global batch), the step's
-// GFLOP/s vs oneDNN sgemm, and the fused-Adam update's bytes/s vs the triad. --json FILE writes every figure.
+// GFLOP/s vs oneDNN sgemm, the fused-Adam update's bytes/s vs the triad, and `shardstep train`'s MLP step_ms vs
+// this binary's (MeasureTrainVsBench). --json FILE writes every figure.
 // --bf16: the same binary's f32 and bf16 steps (see PrecisionCompare).
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -550,6 +551,85 @@ Replication MeasureReplication(const ModelCase& c, int rounds, double budget_s) 
   return r;
 }
 
+// ---- `shardstep train` against the same binary's steps: the MLP (batch 128, Adam lr 1e-3) run by the
+// shardstep command on Fashion-MNIST (a child process per round, its median step_ms from --metrics-out over
+// steps after the first kTrainWarmup), alternately with this binary's own TrainStep blocks of the same model.
+constexpr double kTrainTarget = 1.10;
+constexpr int kTrainSteps = 300, kTrainWarmup = 20;
+
+struct TrainVsBench {
+  bool measured = false;
+  std::string why_not;  // when not measured
+  double train_ms = 0, bench_ms = 0;
+  double ratio() const { return train_ms / bench_ms; }
+};
+
+// The shardstep binary beside this one (<build>/bench/step -> <build>/shardstep).
+std::string ShardstepBinary() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string() : (exe.parent_path().parent_path() / "shardstep").string();
+}
+
+// One `shardstep train` run; its step_ms after the warm-up steps (empty if it failed).
+std::vector<double> TrainStepMs(const std::string& binary, const std::filesystem::path& metrics) {
+  const std::string cmd = Str(binary, " train --model mlp --hidden 1024,1024 --batch 128 --optimizer adam --lr 1e-3",
+                              " --steps ", kTrainSteps, " --eval-every 0 --eval-batches 1 --metrics-out ", metrics.string(),
+                              " > /dev/null 2>&1");
+  std::vector<double> ms;
+  if (std::system(cmd.c_str()) != 0) return ms;
+  std::ifstream f(metrics);
+  for (std::string line; std::getline(f, line);) {
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (j.is_object() && j.contains("step_ms") && j.value("step", 0) > kTrainWarmup) ms.push_back(j["step_ms"]);
+  }
+  return ms;
+}
+
+TrainVsBench MeasureTrainVsBench(const ModelCase& mlp, int rounds) {
+  TrainVsBench r;
+  const std::string binary = ShardstepBinary();
+  if (binary.empty() || !std::filesystem::exists(binary)) {
+    r.why_not = Str("no shardstep binary at '", binary, "'");
+    return r;
+  }
+  const std::filesystem::path metrics =
+      std::filesystem::temp_directory_path() / Str("bench_step_train_", getpid(), ".jsonl");
+  Built b = Build(mlp, 1, false);
+  for (int i = 0; i < 3; ++i) b.session->TrainStep(b.batch);
+  std::vector<double> train, bench;
+  for (int i = 0; i < rounds; ++i) {
+    Settle();
+    auto x = TimeSteps(*b.session, b.batch, 10 * mlp.k);
+    bench.insert(bench.end(), x.begin(), x.end());
+    Settle();
+    auto y = TrainStepMs(binary, metrics);
+    if (y.empty()) {
+      r.why_not = Str("`", binary, " train --model mlp ...` failed (is Fashion-MNIST installed?)");
+      std::filesystem::remove(metrics);
+      return r;
+    }
+    train.insert(train.end(), y.begin(), y.end());
+  }
+  std::filesystem::remove(metrics);
+  r.measured = true;
+  r.train_ms = Median(train);
+  r.bench_ms = Median(bench);
+  return r;
+}
+
+void PrintTrainVsBench(const TrainVsBench& t, int rounds) {
+  std::cout << "\n`shardstep train` vs this binary's step, MLP 784-1024-1024-10 batch 128 Adam (train: Fashion-MNIST, "
+            << kTrainSteps << " steps a run, median step_ms after step " << kTrainWarmup << "; alternately, " << rounds
+            << " rounds):\n  ";
+  if (!t.measured)
+    std::cout << "not measured: " << t.why_not << "\n";
+  else
+    std::cout << std::fixed << std::setprecision(3) << "train " << t.train_ms << " ms, bench " << t.bench_ms
+              << " ms, ratio " << t.ratio() << " (target <= " << kTrainTarget << ") "
+              << (t.ratio() <= kTrainTarget ? "PASS" : "FAIL") << "\n";
+}
+
 // ---- The report.
 void PrintTable(const std::vector<Row>& rows) {
   std::cout << "\n" << std::left << std::setw(15) << "model" << std::right << std::setw(10) << "jit ms" << std::setw(10)
@@ -583,8 +663,11 @@ void PrintReplication(const std::vector<Replication>& reps, int rounds, double b
 }
 
 nlohmann::json ToJson(const std::vector<Row>& rows, const std::optional<Bound>& bound,
-                      const std::vector<Replication>& reps) {
+                      const std::vector<Replication>& reps, const std::optional<TrainVsBench>& train) {
   nlohmann::json j;
+  if (train && train->measured)
+    j["train_vs_bench"] = {{"model", "mlp"}, {"train_ms", train->train_ms}, {"bench_ms", train->bench_ms},
+                           {"ratio", train->ratio()}, {"target", kTrainTarget}, {"pass", train->ratio() <= kTrainTarget}};
   for (const Row& r : rows)
     j["models"].push_back({{"model", r.c->name}, {"config", r.c->what}, {"jit_ms", r.jit_ms}, {"torch_ms", r.torch_ms},
                            {"torch_2thr_ms", r.torch_each[0]}, {"torch_1thr_ms", r.torch_each[1]},
@@ -864,10 +947,15 @@ int Run(const Args& args) {
   for (const char* name : {"mlp", "resnet20"})
     if (Selected(args, name)) reps.push_back(MeasureReplication(FindCase(name), args.rounds, args.replication_budget_s));
   PrintReplication(reps, args.rounds, args.replication_budget_s);
+  std::optional<TrainVsBench> train;
+  if (Selected(args, "mlp")) {
+    train = MeasureTrainVsBench(FindCase("mlp"), args.rounds);
+    PrintTrainVsBench(*train, args.rounds);
+  }
   std::cout << "\nthe weight-update phase, replicated vs sharded at N = 1, 2, 4, 8: bench/weight_update --backend cpu\n";
 
   if (!args.json.empty()) {
-    nlohmann::json j = ToJson(rows, bound, reps);
+    nlohmann::json j = ToJson(rows, bound, reps, train);
     j["rounds"] = args.rounds;
     j["threads"] = threads;
     j["sgemm_gflops"] = {{"onednn_128x1024x1024", sgemm_mlp}, {"onednn_1024^3", sgemm_big},

@@ -83,6 +83,9 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
   }
 }
 
+// Reduced last rows longer than kLongRow are cut into segments of at most kRowSegment (see LayoutOf).
+constexpr int64_t kLongRow = int64_t{1} << 16, kRowSegment = int64_t{1} << 14;
+
 ReduceLayout LayoutOf(const Shape& shape, const ir::IntList& axes, const Shape& out_shape) {
   // The shape collapsed: size-1 dimensions dropped and neighbours both reduced or both kept merged
   // (the same elements in the same order), so batch norm's reduction of NCHW over (0, 2, 3) reads
@@ -99,6 +102,22 @@ ReduceLayout LayoutOf(const Shape& shape, const ir::IntList& axes, const Shape& 
     } else {
       l.dims[l.rank] = shape[d];
       reduced[l.rank++] = red;
+    }
+  }
+  // A long reduced last row (a whole gradient summed to a scalar: the non-finite guard's checks, a
+  // global norm) is cut into segments of S elements, S a multiple of 8 dividing the row: a reduced
+  // dimension of n / S segments, then the reduced S. Each segment's lanes are summed and added in
+  // segment order, so the segments run four at a time (Lanes4) and in parallel blocks instead of
+  // one add chain on one core. S depends on the shape only.
+  if (l.rank > 0 && l.rank < Strides::kMaxRank && reduced[l.rank - 1] && l.dims[l.rank - 1] > kLongRow) {
+    const int64_t n = l.dims[l.rank - 1];
+    int64_t seg = 0;
+    for (int64_t s = kRowSegment; s >= kRowSegment / 16 && seg == 0; s -= 8)
+      if (n % s == 0) seg = s;
+    if (seg > 0) {
+      l.dims[l.rank - 1] = n / seg;
+      l.dims[l.rank] = seg;
+      reduced[l.rank++] = true;
     }
   }
   l.acc_strides = Strides(l.rank, 0);

@@ -34,6 +34,7 @@
 #include "ir/shape_inference.h"
 #include "jit/compiled_step.h"
 #include "jit/cpu_executor.h"
+#include "jit/data_movement.h"
 #include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
 #include "runtime/replica_runner.h"
@@ -1365,7 +1366,10 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
     IntList axes;
   };
   for (const Layout& l : {Layout{{64, 16, 28, 28}, {0, 2, 3}}, Layout{{2, 3, 7, 7}, {0, 2, 3}}, Layout{{3, 9000}, {1}},
-                          Layout{{300, 40}, {0}}, Layout{{5, 6, 7}, {0, 1, 2}}, Layout{{40, 30, 50}, {1}}}) {
+                          Layout{{300, 40}, {0}}, Layout{{5, 6, 7}, {0, 1, 2}}, Layout{{40, 30, 50}, {1}},
+                          // one long reduced row: cut into segments (8320 elements), and not (no multiple of
+                          // 8 divides 2 x 70001)
+                          Layout{{1024, 130}, {0, 1}}, Layout{{3, 70001, 2}, {1, 2}}}) {
     std::ostringstream label;
     label << "fused reductions over [" << l.x[0];
     for (size_t d = 1; d < l.x.size(); ++d) label << "," << l.x[d];
@@ -1408,6 +1412,10 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
 // double-accumulation bound of the interpreter's serial order and give the same bits on every run.
 TEST_CASE("large reductions split into blocks agree with the interpreter and are deterministic", "[jit]") {
   const ir::Shape shape = {64, 8, 30, 30};  // 460800 elements: several blocks
+  // A whole tensor summed to a scalar (the non-finite guard's checks) is one long row, cut into
+  // segments that run in parallel blocks, not one add chain.
+  CHECK(jit::LayoutOf(shape, {0, 1, 2, 3}, {}).blocks > 1);
+  CHECK(jit::LayoutOf({1024, 1024}, {0, 1}, {}).blocks == 16);
   for (const IntList& axes : {IntList{0, 2, 3}, IntList{0}, IntList{3}, IntList{1, 2}, IntList{0, 1, 2, 3}}) {
     for (OpCode op : {OpCode::kReduceSum, OpCode::kReduceMean}) {
       std::ostringstream label;
