@@ -21,7 +21,8 @@ namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements per parallel chunk of a fused loop
 
-// SHARDSTEP_JIT_PROFILE=1: wall time per op kind (and for fused loops), printed at exit.
+// SHARDSTEP_JIT_PROFILE=1: wall time per op kind (and for fused loops), printed at exit; =2: per
+// instruction ("<op> %<id> <type>") and per fused loop length ("fused loops n=<elements>").
 struct Profile {
   std::mutex mu;
   std::map<std::string, std::pair<double, int64_t>> time;
@@ -37,10 +38,23 @@ struct Profile {
     ++e.second;
   }
 };
+int ProfileLevel() {
+  static const int level = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_PROFILE");
+    const std::string v = e ? e : "";
+    return v == "1" ? 1 : v == "2" ? 2 : 0;
+  }();
+  return level;
+}
 Profile* Profiler() {
-  static const bool on = std::getenv("SHARDSTEP_JIT_PROFILE") && std::string(std::getenv("SHARDSTEP_JIT_PROFILE")) == "1";
   static Profile p;
-  return on ? &p : nullptr;
+  return ProfileLevel() > 0 ? &p : nullptr;
+}
+// The profile's key for instruction v: its op, or at level 2 the instruction itself.
+std::string InstrKey(const CompiledStep& step, int64_t v) {
+  const ir::Instr& in = step.module().at(static_cast<ir::ValueId>(v));
+  if (ProfileLevel() < 2) return std::string(ir::OpName(in.op));
+  return Str(ir::OpName(in.op), " %", v, " ", in.type.ToString());
 }
 
 // Runs `body`, timed as `what` (a callable giving the name, so no string is built when not
@@ -86,7 +100,7 @@ using shardstep::jit::Guarded;
 using shardstep::jit::StepContext;
 
 extern "C" int32_t ss_rt_kernel(StepContext* ctx, void* kernel, void* const* bufs, int64_t n) {
-  return Guarded(ctx, [] { return std::string("fused loops"); }, [&] {
+  return Guarded(ctx, [&] { return shardstep::jit::ProfileLevel() < 2 ? std::string("fused loops") : shardstep::Str("fused loops n=", n); }, [&] {
     const auto fn = reinterpret_cast<shardstep::jit::KernelFn>(kernel);
     if (n >= 2 * shardstep::jit::kGrain) {
       tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, shardstep::jit::kGrain),
@@ -99,7 +113,7 @@ extern "C" int32_t ss_rt_kernel(StepContext* ctx, void* kernel, void* const* buf
 
 extern "C" int32_t ss_rt_sgemm(StepContext* ctx, int64_t value, int32_t ta, int32_t tb, int64_t m, int64_t n,
                                int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* out) {
-  return Guarded(ctx, [] { return std::string("matmul"); }, [&] {
+  return Guarded(ctx, [&] { return shardstep::jit::InstrKey(*ctx->step, value); }, [&] {
     shardstep::jit::Prefixed(*ctx->step, value, [&] { shardstep::jit::ParallelSgemm(ta, tb, m, n, k, a, lda, b, ldb, out); });
   });
 }
@@ -108,7 +122,7 @@ extern "C" int32_t ss_rt_collective(StepContext* ctx, int64_t value) { return ss
 
 extern "C" int32_t ss_rt_instr(StepContext* ctx, int64_t value) {
   const auto v = static_cast<shardstep::ir::ValueId>(value);
-  return Guarded(ctx, [&] { return std::string(shardstep::ir::OpName(ctx->step->module().at(v).op)); }, [&] {
+  return Guarded(ctx, [&] { return shardstep::jit::InstrKey(*ctx->step, value); }, [&] {
     shardstep::jit::Prefixed(*ctx->step, value, [&] {
       ctx->step->RunInstr(v, *ctx->variables, *ctx->inputs, ctx->replica, ctx->collectives, ctx->ws, ctx->batch_parts);
     });

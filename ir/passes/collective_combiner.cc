@@ -15,6 +15,9 @@
 //       all-gather:     each y_i flattened to [k_i]; concat -> [K]; all-gather -> [G*K] -> [G, K];
 //                       member i is columns [o_i, o_i + k_i) reshaped to [G*a_i, ...].
 //       all-reduce:     flatten, concat, all-reduce, slice back.
+//     A member packed in an earlier round (reduce-scatter or all-gather) is taken apart: its parts join
+//     the new packed buffer and its slices read the new result at their new columns, so packing
+//     twice never nests a concat in a concat or a slice in a slice (each a copy of every byte).
 //  3. Canonicalize (the packed op depends on every member's operand; users follow it).
 #include "ir/passes/collective_combiner.h"
 
@@ -53,58 +56,113 @@ void ReplaceUses(Module& m, const std::vector<ValueId>& from, const std::vector<
   for (auto& [name, v] : m.outputs) replace(v);
 }
 
+// A member that is itself a packed collective of an earlier round, taken apart so the new packing
+// holds its parts, not a copy of its packed buffer (a concat of a concat on the way in, a slice of a
+// slice on the way out: two copies of every byte instead of one). `parts`: its packed parts;
+// `slices`: the slices that read its result (for an all-gather, through reshape(c, {G, K})), which
+// will read the new collective at `base` further on; empty when the member is not such a collective.
+struct Unpacked {
+  std::vector<ValueId> parts, slices;
+};
+Unpacked Unpack(const Module& m, const std::vector<std::vector<ValueId>>& users, const std::vector<char>& held,
+                ValueId v) {
+  const Instr& in = m.at(v);
+  if (in.GetInt("combined", 1) < 2 || held[v]) return {};
+  ValueId x = in.operands[0];
+  const bool rs = in.op == OpCode::kReduceScatter;
+  if (rs) {  // operand: reshape(concat(parts, axis 1) [G, K], {G * K})
+    if (m.at(x).op != OpCode::kReshape) return {};
+    x = m.at(x).operands[0];
+  }
+  const Instr& packed = m.at(x);
+  if (packed.op != OpCode::kConcat || packed.GetInt("axis") != (rs ? 1 : 0)) return {};
+  Unpacked u;
+  u.parts = packed.operands;
+  // The reads of the result: slices (reduce-scatter, all-reduce) or slices of reshape(c, {G, K}) (all-gather).
+  std::vector<ValueId> readers;
+  if (in.op == OpCode::kAllGather) {
+    for (ValueId r : users[v]) {
+      if (m.at(r).op != OpCode::kReshape || held[r] || m.type(r).rank() != 2) return {};
+      readers.insert(readers.end(), users[r].begin(), users[r].end());
+    }
+  } else {
+    readers = users[v];
+  }
+  for (ValueId r : readers) {
+    if (m.at(r).op != OpCode::kSlice) return {};
+    u.slices.push_back(r);
+  }
+  return u;
+}
+
 ValueId Combine(Builder& b, Module& m, const std::vector<ValueId>& members) {
   const Instr first = m.at(members[0]);
-  std::vector<ValueId> pieces;  // member i's replacement
+  const auto users = m.Users();
+  std::vector<char> held(m.size(), 0);  // outputs, assigned values, gradients: not only read by ops
+  for (auto& [name, v] : m.outputs) held[v] = 1;
+  for (auto& [var, v] : m.assigns) held[v] = 1;
+  for (auto& [var, v] : m.gradients) held[v] = 1;
+  std::vector<ValueId> pieces, replaced;  // member i's replacement
   const OpCode op = first.op;
   Attrs attrs = first.attrs;
   int64_t originals = 0;
   for (ValueId v : members) originals += m.at(v).GetInt("combined", 1);
   attrs["combined"] = originals;  // how many collectives this one packs
   std::vector<ValueId> parts;
-  std::vector<int64_t> widths;
-  if (op == OpCode::kReduceScatter) {
-    const int64_t g = first.GetInt("group_size");
-    for (ValueId v : members) {
-      ValueId x = m.at(v).operands[0];
+  std::vector<int64_t> widths;     // per member, its columns in the packed buffer
+  std::vector<Unpacked> unpacked;  // per member
+  const bool rs = op == OpCode::kReduceScatter;
+  const int64_t g = first.GetInt("group_size", 1);
+  for (ValueId v : members) {
+    unpacked.push_back(op == OpCode::kAllReduce ? Unpacked{} : Unpack(m, users, held, v));
+    ValueId x = m.at(v).operands[0];
+    if (!unpacked.back().parts.empty()) {
+      parts.insert(parts.end(), unpacked.back().parts.begin(), unpacked.back().parts.end());
+      widths.push_back(rs ? m.type(x).elements() / g : m.type(x).elements());
+    } else if (rs) {
       widths.push_back(m.type(x).elements() / g);
       parts.push_back(b.Reshape(x, {g, widths.back()}));
+    } else {
+      widths.push_back(m.type(x).elements());
+      parts.push_back(b.Reshape(x, {widths.back()}));
     }
+  }
+  // The slices of an unpacked member read the new result `from`, `base` columns further on.
+  auto move_slices = [&](const Unpacked& u, ValueId from, int64_t base) {
+    for (ValueId s : u.slices) {
+      Instr& in = m.at(s);
+      in.operands[0] = from;
+      IntList start = in.GetInts("start"), limit = in.GetInts("limit");
+      start.back() += base;
+      limit.back() += base;
+      in.attrs["start"] = start;
+      in.attrs["limit"] = limit;
+    }
+  };
+  ValueId c = kNoValue, rows = kNoValue;
+  if (rs) {
     ValueId packed = b.Concat(parts, 1);
-    ValueId rs = b.Emit(op, {b.Reshape(packed, {NumElements(b.shape(packed))})}, attrs);
-    int64_t off = 0;
-    for (size_t i = 0; i < members.size(); ++i) {
-      const Shape shape = m.type(members[i]).shape;  // a copy: the builder may reallocate m.instrs
-      pieces.push_back(b.Reshape(b.Slice(rs, {off}, {off + widths[i]}), shape));
-      off += widths[i];
-    }
-    ReplaceUses(m, members, pieces);
-    return rs;
-  }
-  for (ValueId v : members) {
-    ValueId x = m.at(v).operands[0];
-    widths.push_back(m.type(x).elements());
-    parts.push_back(b.Reshape(x, {widths.back()}));
-  }
-  ValueId packed = b.Concat(parts, 0);
-  ValueId c = b.Emit(op, {packed}, attrs);
-  int64_t off = 0, total = b.type(packed).elements();
-  if (op == OpCode::kAllGather) {
-    const int64_t g = first.GetInt("group_size");
-    ValueId rows = b.Reshape(c, {g, total});
-    for (size_t i = 0; i < members.size(); ++i) {
-      const Shape shape = m.type(members[i]).shape;
-      pieces.push_back(b.Reshape(b.Slice(rows, {0, off}, {g, off + widths[i]}), shape));
-      off += widths[i];
-    }
+    c = b.Emit(op, {b.Reshape(packed, {NumElements(b.shape(packed))})}, attrs);
+    rows = c;
   } else {
-    for (size_t i = 0; i < members.size(); ++i) {
-      const Shape shape = m.type(members[i]).shape;
-      pieces.push_back(b.Reshape(b.Slice(c, {off}, {off + widths[i]}), shape));
-      off += widths[i];
-    }
+    ValueId packed = b.Concat(parts, 0);
+    c = b.Emit(op, {packed}, attrs);
+    rows = op == OpCode::kAllGather ? b.Reshape(c, {g, b.type(packed).elements()}) : c;
   }
-  ReplaceUses(m, members, pieces);
+  int64_t off = 0;
+  for (size_t i = 0; i < members.size(); ++i) {
+    if (!unpacked[i].parts.empty()) {
+      move_slices(unpacked[i], rows, off);
+    } else {
+      const Shape shape = m.type(members[i]).shape;  // a copy: the builder may reallocate m.instrs
+      const ValueId piece = op == OpCode::kAllGather ? b.Slice(rows, {0, off}, {g, off + widths[i]})
+                                                     : b.Slice(c, {off}, {off + widths[i]});
+      pieces.push_back(b.Reshape(piece, shape));
+      replaced.push_back(members[i]);
+    }
+    off += widths[i];
+  }
+  ReplaceUses(m, replaced, pieces);
   return c;
 }
 

@@ -168,6 +168,37 @@ TEST_CASE("many small tensors: after the sharder, ONE reduce-scatter and ONE all
   }
 }
 
+// A collective packed in one round and packed again in a later one (the count threshold closed its
+// first group) is taken apart: its parts join the new concat and its slices read the new result, so
+// no byte is copied twice on the way in (a concat of a concat) or out (a slice of a slice).
+TEST_CASE("packing a packed collective again does not nest the copies", "[collective-combiner][many]") {
+  const Module before = ParseVerified(MomentumModule({"2", "4", "2,2", "3", "6,1", "5"}, 2));
+  const Module sharded = Sharded(before);
+  Combined pairs = RunCombiner(sharded, 4 << 20, 2);  // packs of two
+  REQUIRE(CountOps(pairs.after, OpCode::kReduceScatter) == 3);
+  Combined c = RunCombiner(pairs.after, 4 << 20, 64);  // the packs packed together
+  INFO(c.text);
+  CHECK(CountOps(c.after, OpCode::kReduceScatter) == 1);
+  CHECK(CountOps(c.after, OpCode::kAllGather) == 1);
+  // Seen through reshapes: no concat reads a concat, no slice reads a slice.
+  auto through_reshapes = [&](ValueId v) {
+    while (c.after.at(v).op == OpCode::kReshape) v = c.after.at(v).operands[0];
+    return c.after.at(v).op;
+  };
+  for (const Instr& in : c.after.instrs) {
+    if (in.op == OpCode::kConcat)
+      for (ValueId o : in.operands) CHECK(through_reshapes(o) != OpCode::kConcat);
+    if (in.op == OpCode::kSlice && through_reshapes(in.operands[0]) == OpCode::kSlice) {
+      // only the sharder's own slice dropping a padded tensor's padding may read a slice
+      CHECK(c.after.type(in.operands[0]).rank() == 1);
+      CHECK(in.GetInts("start") == IntList{0});
+    }
+  }
+  CHECK(Count(c.text, "concat(") == 2);  // one packing each way
+  EXPECT_SAME_TRAINING(before, c.after, /*tol=*/0);
+  EXPECT_SAME_TRAINING(pairs.after, c.after, /*tol=*/0);
+}
+
 TEST_CASE("combining respects the byte threshold", "[collective-combiner][thresholds]") {
   // Six f32[4] tensors at N=2: each reduce-scatter reads 16 B, each all-gather writes 16 B.
   const Module before = ParseVerified(MomentumModule({"4", "4", "4", "4", "4", "4"}, 2));
