@@ -5,7 +5,6 @@
 #include <map>
 #include <mutex>
 
-#include "ir/printer.h"
 #include "jit/dnnl_kernels.h"
 
 namespace shardstep::jit {
@@ -16,9 +15,24 @@ struct CpuExecutor::State {
   explicit State(int n) : workspaces(n) {}
   std::vector<Workspace> workspaces;  // one per replica
   std::mutex forward_mu;
-  std::map<std::string, std::shared_ptr<const CompiledStep>> forwards;
+  // Forward modules compiled so far, found by comparing modules (cheaper than printing one per call).
+  std::vector<std::pair<ir::Module, std::shared_ptr<const CompiledStep>>> forwards;
   Workspace forward_ws;
 };
+
+namespace {
+// True when `state` holds every variable `forward` reads with the type it reads (replica 0's state
+// does, unless the weights themselves are sharded: --gather-weights start).
+bool HoldsWhole(const ir::Module& forward, const TensorMap& state) {
+  if (!forward.assigns.empty()) return false;  // it would change the training state
+  for (const ir::Instr& in : forward.instrs) {
+    if (in.op != ir::OpCode::kVariable) continue;
+    auto it = state.find(in.name);
+    if (it == state.end() || it->second.type != in.type) return false;
+  }
+  return true;
+}
+}  // namespace
 
 CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const CpuExecutorOptions& options)
     : ReplicatedExecutor(step, options.collectives), s_(std::make_unique<State>(step.num_replicas)), options_(options) {
@@ -42,10 +56,18 @@ void CpuExecutor::RunReplicaInto(int r, const TensorMap& global_inputs, TensorMa
 
 TensorMap CpuExecutor::Forward(const ir::Module& forward, const TensorMap& inputs) {
   std::lock_guard<std::mutex> lock(s_->forward_mu);
-  const std::string text = ir::Print(forward);
-  auto& compiled = s_->forwards[text];
-  if (!compiled) compiled = CompiledStep::Compile(forward, options_.jit);
+  std::shared_ptr<const CompiledStep> compiled;
+  for (auto& [m, c] : s_->forwards)
+    if (m == forward) compiled = c;
+  if (!compiled) {
+    compiled = CompiledStep::Compile(forward, options_.jit);
+    s_->forwards.emplace_back(forward, compiled);
+  }
   ConfigureThreadsForReplica(1);
+  // The weights in place; the logical state (a copy of every variable, optimizer state included)
+  // only when replica 0 does not hold them whole or the module assigns.
+  TensorMap& own = replica_state(0);
+  if (HoldsWhole(forward, own)) return compiled->Run(own, inputs, 0, nullptr, &s_->forward_ws);
   TensorMap state = LogicalState();
   return compiled->Run(state, inputs, 0, nullptr, &s_->forward_ws);
 }

@@ -84,6 +84,9 @@ class ReplicatedExecutor : public Executor {
   }
   int num_replicas() const { return n_; }
   Collectives& collectives() { return *collectives_; }
+  // Replica r's own state (its shards, and the whole of every variable it holds whole), read in place:
+  // an evaluation reads the weights from here instead of copying the logical state per batch.
+  TensorMap& replica_state(int r) { return states_[r]; }
 
  private:
   ir::Module layout_;

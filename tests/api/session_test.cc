@@ -123,6 +123,36 @@ TEST_CASE("session: Step outputs cover the global batch, equal to a single-repli
   RequireClose(st2.at("fc2.b"), st1.at("fc2.b"), 1e-5);
 }
 
+// Evaluate reads replica 0's weights in place when it holds them whole (the all-gather at the end of
+// the step), and the logical state when they are sharded (gathered at the start of the next step).
+TEST_CASE("session: Evaluate sees the current weights, gathered at the end or at the start") {
+  for (const bool at_start : {false, true}) {
+    INFO("gather weights at the start: " << at_start);
+    Mlp mlp{std::make_unique<dsl::Model>("mlp_blobs", 1), {}};
+    dsl::Model& m = *mlp.model;
+    auto x = m.input("image", dsl::f32({kBatch, 2}));
+    auto y = m.input("label", dsl::s32({kBatch}));
+    auto logits = x.dense(32, "fc1").relu().dense(3, "fc2");
+    m.output("logits", logits);
+    mlp.program = m.train(logits.cross_entropy_mean(y)).optimizer(dsl::Adam().lr(0.02)).replicas(2)
+                      .shard_weight_update(true).gather_weights_at_start(at_start).build();
+    Session s(m, mlp.program, "cpu");
+    Mlp one = MakeMlp(1, false);
+    const TensorMap batch = Blobs(kBatch, 42);
+    Tensor before;
+    for (int round = 0; round < 2; ++round) {
+      for (int step = 0; step < 3; ++step) s.Step(Blobs(kBatch, 10 * round + step));
+      Session reference(*one.model, one.program, "cpu");
+      reference.LoadState(s.State());
+      const Tensor got = s.Evaluate(batch).at("logits"), want = reference.Evaluate(batch).at("logits");
+      REQUIRE(got.type == want.type);
+      CHECK(std::equal(got.f32.begin(), got.f32.end(), want.f32.begin()));
+      if (round == 1) CHECK_FALSE(std::equal(got.f32.begin(), got.f32.end(), before.f32.begin()));
+      before = got;
+    }
+  }
+}
+
 TEST_CASE("session: Predict needs no labels and equals Evaluate's logits") {
   Mlp mlp = MakeMlp(2, true);
   Session s(*mlp.model, mlp.program, "cpu");
