@@ -468,7 +468,30 @@ void CompiledStep::Plan(bool fuse_reductions) {
     driver_steps_.push_back(d);
   }
   PlanRoutes();
+  PlanRowViews();
   PlanBuffers();
+}
+
+// A gather of one row (one index) of a variable reads that row in place instead of copying it: the
+// sharded weight update's shard of each weight, gather(reshape(@w), replica_id). Variables are not
+// written before the assignments at the end of the step, so the row holds its value throughout; a
+// view (or a reshape of it) that is assigned stays a copy, since the assignments may overwrite the
+// variable it points into before copying it.
+void CompiledStep::PlanRowViews() {
+  const int n = m_.size();
+  auto root_of = [&](ValueId v) {
+    while (LoweringOf(m_, v) == Lowering::kAlias) v = m_.at(v).operands[0];
+    return v;
+  };
+  row_view_.assign(n, 0);
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (in.op != OpCode::kGather || LoweringOf(m_, v) != Lowering::kNative || !needs_buffer_[v]) continue;
+    if (m_.type(in.operands[1]).elements() != 1 || in.type.dtype == DType::kBF16) continue;
+    row_view_[v] = m_.at(root_of(in.operands[0])).op == OpCode::kVariable;
+  }
+  for (const auto& [var, v] : m_.assigns) row_view_[root_of(v)] = 0;
+  info_.row_views = static_cast<int>(std::count(row_view_.begin(), row_view_.end(), 1));
 }
 
 // Two rewrites of the kernels that save passes over memory (Plan, before the buffers are planned):
@@ -615,7 +638,7 @@ void CompiledStep::PlanBuffers() {
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
     if (!needs_buffer_[v] || in.op == OpCode::kVariable || in.op == OpCode::kInput) continue;
-    if (LoweringOf(m_, v) == Lowering::kAlias) continue;
+    if (LoweringOf(m_, v) == Lowering::kAlias || row_view_[v]) continue;
     if (in.op == OpCode::kConstant) {
       requests[v] = {in.type.bytes(), 0, end};  // filled once: never shared
     } else if (swappable_[v]) {
@@ -914,7 +937,8 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       const int64_t count = m_.type(in.operands[1]).elements();
       for (int64_t i = 0; i < count; ++i) {
         if (idx[i] < 0 || idx[i] >= rows) throw Error(Str("gather index ", idx[i], " out of range [0,", rows, ")"));
-        std::memcpy(uo + i * width, U(0) + idx[i] * width, width * 4);
+        if (row_view_[v]) ws->ptr[v] = const_cast<uint32_t*>(U(0)) + idx[i] * width;  // PlanRowViews
+        else std::memcpy(uo + i * width, U(0) + idx[i] * width, width * 4);
       }
       return;
     }

@@ -27,6 +27,7 @@ struct CompileInfo {
   int fused_ops = 0;       // instructions inside them
   int fused_reductions = 0;  // reductions run inside the loop that produces their operand
   int windowed_values = 0;   // values those loops never write to memory (read only by the reductions)
+  int row_views = 0;         // gathers of one row of a variable, read in place (PlanRowViews)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -97,6 +98,7 @@ class CompiledStep {
   void Plan(bool fuse_reductions);
   void FuseReductions(const std::vector<int>& kernel_of, std::vector<char>& external);
   void RunFusedReductions(int group, Workspace* ws) const;
+  void PlanRowViews();
   void PlanBuffers();
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                 runtime::Collectives* c, Workspace* ws, int batch_parts) const;
@@ -114,6 +116,7 @@ class CompiledStep {
   std::vector<char> needs_buffer_;             // per value
   std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
+  std::vector<char> row_view_;                 // per value: a gather of one row of a variable, read in place
   std::vector<int64_t> offset_;                // per value: offset in the arena, or -1
   // The assignments, in the order that lets each see the values from before the step, and per
   // assignment its offset in the workspace's staging buffer when it is copied through it (else -1).
