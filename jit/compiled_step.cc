@@ -421,7 +421,9 @@ void CompiledStep::Plan(bool fuse_reductions) {
     else conv_[v] = PlannedConv(ConvKind::kFilterGrad, ConvShapeOf(a, in.type.shape, in));
   }
 
-  // 4. What the driver does at each step; constants need nothing at run time (filled at allocation).
+  // 4. What the driver does at each step; constants need nothing at run time (filled at allocation),
+  // nor do the concats and slices whose copies a packed collective saves.
+  PlanPackedCollectives();
   for (const Step& s : schedule_) {
     DriverStep d;
     if (s.kernel >= 0 && reduce_group_of_kernel_[s.kernel] >= 0) {  // the loop and its reductions
@@ -436,6 +438,7 @@ void CompiledStep::Plan(bool fuse_reductions) {
       driver_steps_.push_back(d);
       continue;
     }
+    if (elided_[s.value]) continue;
     const ir::Instr& in = m_.at(s.value);
     d.value = s.value;
     switch (LoweringOf(m_, s.value)) {
@@ -492,6 +495,104 @@ void CompiledStep::PlanRowViews() {
   }
   for (const auto& [var, v] : m_.assigns) row_view_[root_of(v)] = 0;
   info_.row_views = static_cast<int>(std::count(row_view_.begin(), row_view_.end(), 1));
+}
+
+// The collective combiner packs tensors into one collective with a concat, and unpacks an all-gather's
+// result with slices:
+//   reduce_scatter(reshape(concat(p_0, ..., p_k) {axis=1}))   parts [G, n_i] -> [sum n_i]
+//   slice_i(reshape(all_gather(concat(p_0, ..., p_k))))        parts [n_i] -> slices [G, n_i]
+// Run on their parts (Collectives::ReduceScatterParts / AllGatherParts: the same bits), neither the
+// concat nor the slices copy: every gradient byte is read once by the reduce-scatter where the backward
+// pass left it, and the all-gather writes every weight byte once where the assignment takes it from.
+// Only where the concat (and the all-gather's result) has no other reader and every slice is one
+// part's whole columns; anything else keeps the packed form.
+void CompiledStep::PlanPackedCollectives() {
+  const int n = m_.size();
+  const auto users = m_.Users();
+  std::vector<char> kept(n, 0);  // assigned or an output
+  for (const auto& [var, v] : m_.assigns) kept[v] = 1;
+  for (const auto& [name, v] : m_.outputs) kept[v] = 1;
+  auto only_user = [&](ValueId v) -> ValueId { return !kept[v] && users[v].size() == 1 ? users[v][0] : -1; };
+  packed_of_.assign(n, -1);
+  elided_.assign(n, 0);
+  packed_.clear();
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if ((in.op != OpCode::kReduceScatter && in.op != OpCode::kAllGather) || in.type.dtype != DType::kF32) continue;
+    PackedParts parts;
+    std::vector<ValueId> elide;
+    if (in.op == OpCode::kReduceScatter) {
+      const ValueId r = in.operands[0];
+      if (m_.at(r).op != OpCode::kReshape) continue;
+      const ValueId c = m_.at(r).operands[0];
+      const ir::Instr& cat = m_.at(c);
+      if (cat.op != OpCode::kConcat || cat.type.rank() != 2 || cat.GetInt("axis") != 1 || only_user(c) != r ||
+          only_user(r) != v || cat.type.shape[1] != in.type.elements())
+        continue;
+      for (ValueId o : cat.operands) {
+        parts.ins.push_back(o);
+        parts.lens.push_back(m_.type(o).shape[1]);
+      }
+      elide.push_back(c);
+    } else {
+      const ValueId c = in.operands[0];
+      const ir::Instr& cat = m_.at(c);
+      const ValueId r = only_user(v);
+      if (cat.op != OpCode::kConcat || cat.type.rank() != 1 || only_user(c) != v || r < 0 ||
+          m_.at(r).op != OpCode::kReshape || kept[r] || m_.type(r).rank() != 2 || m_.type(r).shape[1] != cat.type.elements())
+        continue;
+      const int64_t rows = m_.type(r).shape[0];
+      std::map<int64_t, ValueId> slice_at;  // first column -> the slice
+      bool ok = true;
+      for (ValueId sl : users[r]) {
+        const ir::Instr& si = m_.at(sl);
+        ok = ok && si.op == OpCode::kSlice && si.type.rank() == 2 && si.type.dtype == DType::kF32 &&
+             si.GetInts("start")[0] == 0 && si.type.shape[0] == rows && slice_at.emplace(si.GetInts("start")[1], sl).second;
+      }
+      int64_t col = 0;
+      for (size_t i = 0; ok && i < cat.operands.size(); ++i) {
+        const ValueId o = cat.operands[i];
+        const int64_t len = m_.type(o).elements();
+        const auto it = slice_at.find(col);
+        ok = it != slice_at.end() && m_.type(it->second).shape[1] == len;
+        if (!ok) break;
+        parts.ins.push_back(o);
+        parts.outs.push_back(it->second);
+        parts.lens.push_back(len);
+        col += len;
+      }
+      if (!ok || parts.outs.size() != users[r].size()) continue;
+      elide = parts.outs;
+      elide.push_back(c);
+      needs_buffer_[v] = 0;  // the packed result itself is never materialised
+    }
+    for (ValueId e : elide) {
+      elided_[e] = 1;
+      if (m_.at(e).op == OpCode::kConcat) needs_buffer_[e] = 0;
+    }
+    packed_of_[v] = static_cast<int>(packed_.size());
+    packed_.push_back(std::move(parts));
+  }
+  info_.packed_collectives = static_cast<int>(packed_.size());
+}
+
+void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& group, int replica,
+                                       runtime::Collectives* c, Workspace* ws) const {
+  const ir::Instr& in = m_.at(v);
+  const PackedParts& pk = packed_[packed_of_[v]];
+  const int parts = static_cast<int>(pk.ins.size());
+  const float** ins = ws->part_ins.data();
+  for (int i = 0; i < parts; ++i) ins[i] = static_cast<const float*>(ws->ptr[pk.ins[i]]);
+  if (in.op == OpCode::kReduceScatter) {
+    float* out = static_cast<float*>(ws->ptr[v]);
+    if (c) return c->ReduceScatterParts(replica, group, ins, pk.lens.data(), parts, out, ReductionOf(in));
+    for (int64_t i = 0, col = 0; i < parts; col += pk.lens[i++]) std::copy_n(ins[i], pk.lens[i], out + col);  // one replica
+    return;
+  }
+  float** outs = ws->part_outs.data();
+  for (int i = 0; i < parts; ++i) outs[i] = static_cast<float*>(ws->ptr[pk.outs[i]]);
+  if (c) return c->AllGatherParts(replica, group, ins, pk.lens.data(), parts, outs);
+  for (int i = 0; i < parts; ++i) std::copy_n(ins[i], pk.lens[i], outs[i]);
 }
 
 // Two rewrites of the kernels that save passes over memory (Plan, before the buffers are planned):
@@ -626,8 +727,14 @@ void CompiledStep::PlanBuffers() {
     } else {
       first[s.value] = p;
       for (ValueId o : m_.at(s.value).operands) read(o, p);
+      if (const int k = packed_of_[s.value]; k >= 0)
+        for (ValueId o : packed_[k].ins) read(o, p);  // read in place of its concat
     }
   }
+  // A packed all-gather writes its slices: they live from there.
+  for (int p = 0; p < end; ++p)
+    if (const ValueId v = schedule_[p].value; schedule_[p].kernel < 0 && packed_of_[v] >= 0)
+      for (ValueId o : packed_[packed_of_[v]].outs) first[o] = p;
   for (const auto& [name, v] : m_.outputs) read(v, end);
   for (const auto& [var, v] : m_.assigns) read(v, end);
 
@@ -739,6 +846,10 @@ void CompiledStep::Allocate(Workspace* ws) const {
   ws->ptr.assign(n, nullptr);
   ws->is_owned.assign(n, 0);
   ws->staging.assign(staging_bytes_, 0);
+  size_t parts = 0;
+  for (const PackedParts& pk : packed_) parts = std::max(parts, pk.ins.size());
+  ws->part_ins.assign(parts, nullptr);
+  ws->part_outs.assign(parts, nullptr);
   // Fused reductions: per TBB thread slot (tbb::this_task_arena::current_thread_index()).
   ws->thread_slots = std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency());
   size_t bufs = 0, windows = 0;
@@ -836,6 +947,7 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       if (!route.error.empty()) throw Error(route.error);
       const runtime::ReplicaGroup& group = route.group;
       CheckGroup(in, group, c);
+      if (packed_of_[v] >= 0) return RunPackedCollective(v, group, replica, c, ws);
       const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
       if (!c) {
         std::memcpy(out, P(0), in.type.bytes());

@@ -28,6 +28,7 @@ struct CompileInfo {
   int fused_reductions = 0;  // reductions run inside the loop that produces their operand
   int windowed_values = 0;   // values those loops never write to memory (read only by the reductions)
   int row_views = 0;         // gathers of one row of a variable, read in place (PlanRowViews)
+  int packed_collectives = 0;  // combined collectives run on their parts, without concat or slice copies
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -59,6 +60,8 @@ struct Workspace {
   std::vector<const float*> fused_operands;
   std::vector<float> fused_windows;
   std::vector<char> staging;            // assignments staged through a temporary (a swap, a rotation)
+  std::vector<const float*> part_ins;   // a packed collective's parts (CompiledStep::PlanPackedCollectives)
+  std::vector<float*> part_outs;
 };
 
 class CompiledStep {
@@ -99,6 +102,9 @@ class CompiledStep {
   void FuseReductions(const std::vector<int>& kernel_of, std::vector<char>& external);
   void RunFusedReductions(int group, Workspace* ws) const;
   void PlanRowViews();
+  void PlanPackedCollectives();
+  void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, int replica, runtime::Collectives* c,
+                           Workspace* ws) const;
   void PlanBuffers();
   void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
                 runtime::Collectives* c, Workspace* ws, int batch_parts) const;
@@ -117,6 +123,16 @@ class CompiledStep {
   std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
   std::vector<char> row_view_;                 // per value: a gather of one row of a variable, read in place
+  // Combined collectives run on their parts (PlanPackedCollectives): a reduce-scatter reads the parts of
+  // its concat and an all-gather those of its concat and writes the slices of its result, so neither the
+  // concats nor the slices copy anything (elided_). Per collective value, an index into packed_ or -1.
+  struct PackedParts {
+    std::vector<ir::ValueId> ins, outs;  // outs: all-gather only, the slices it writes
+    std::vector<int64_t> lens;
+  };
+  std::vector<int> packed_of_;
+  std::vector<PackedParts> packed_;
+  std::vector<char> elided_;                   // per value: its work is done by a packed collective
   std::vector<int64_t> offset_;                // per value: offset in the arena, or -1
   // The assignments, in the order that lets each see the values from before the step, and per
   // assignment its offset in the workspace's staging buffer when it is copied through it (else -1).

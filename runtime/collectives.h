@@ -43,6 +43,17 @@ class Collectives {
                              Reduction op) = 0;
   // in[n] -> out[n * |group|]: chunk p is the input of the member at group position p.
   virtual void AllGather(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n) = 0;
+  // The packed collectives of the collective combiner without the packing copies. A reduce-scatter of
+  // the column-wise concatenation of `parts` tensors [|group|, ns[i]] (part i at ins[i], row-major)
+  // into out[sum ns]: the member at position p gets row p of part i, reduced, at out + ns[0] + ... +
+  // ns[i-1]. An all-gather of the concatenation of parts ins[i][ns[i]] into outs[i][|group|, ns[i]]:
+  // row q of part i is member q's ins[i]. The bits (and the checks) of ReduceScatter / AllGather on
+  // the packed buffers; the defaults pack into a buffer of the calling thread (grown only) and call
+  // them, so a backend overrides them only to skip that copy.
+  virtual void ReduceScatterParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns,
+                                  int parts, float* out, Reduction op);
+  virtual void AllGatherParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns,
+                              int parts, float* const* outs);
   // data[n] from the member at group position `root` to all members.
   virtual void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) = 0;
   virtual void Barrier(int replica, const ReplicaGroup& group) = 0;

@@ -13,13 +13,15 @@
 namespace shardstep::runtime {
 namespace {
 
-enum class Kind { kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+enum class Kind { kAllReduce, kReduceScatter, kAllGather, kReduceScatterParts, kAllGatherParts, kBroadcast, kBarrier };
 
 const char* KindName(Kind k) {
   switch (k) {
     case Kind::kAllReduce: return "AllReduce";
     case Kind::kReduceScatter: return "ReduceScatter";
     case Kind::kAllGather: return "AllGather";
+    case Kind::kReduceScatterParts: return "ReduceScatterParts";
+    case Kind::kAllGatherParts: return "AllGatherParts";
     case Kind::kBroadcast: return "Broadcast";
     case Kind::kBarrier: return "Barrier";
   }
@@ -57,14 +59,20 @@ struct InProcessCollectives::Slot {
   Reduction op;
   int root;
   const float* in;
+  // The parts collectives: nparts inputs and their lengths (n is their sum).
+  const float* const* parts = nullptr;
+  const int64_t* ns = nullptr;
+  int nparts = 0;
 
+  bool Reduces() const { return kind == Kind::kAllReduce || kind == Kind::kReduceScatter || kind == Kind::kReduceScatterParts; }
   bool Matches(const Slot& o) const {
-    const bool reduces = kind == Kind::kAllReduce || kind == Kind::kReduceScatter;
-    return kind == o.kind && n == o.n && (!reduces || op == o.op) && (kind != Kind::kBroadcast || root == o.root);
+    return kind == o.kind && n == o.n && (!Reduces() || op == o.op) && (kind != Kind::kBroadcast || root == o.root) &&
+           nparts == o.nparts && std::equal(ns, ns + nparts, o.ns);
   }
   std::string ToString() const {
     std::string s = Str(KindName(kind), "(n=", n);
-    if (kind == Kind::kAllReduce || kind == Kind::kReduceScatter) s += Str(", ", ReductionName(op));
+    if (nparts > 0) s += Str(" in ", nparts, " parts");
+    if (Reduces()) s += Str(", ", ReductionName(op));
     if (kind == Kind::kBroadcast) s += Str(", root=", root);
     return s + ")";
   }
@@ -92,9 +100,14 @@ struct InProcessCollectives::Group {
 
   // out[0..count) = fold over positions of in_p[offset + j], in group order (one function for all).
   void Fold(int64_t offset, int64_t count, Reduction op, float* out) const {
-    std::copy_n(slots[0].in + offset, count, out);
+    FoldFrom([&](int p) { return slots[p].in + offset; }, count, op, out);
+  }
+  // The same over the elements at source(p) of each position p.
+  template <typename Source>
+  void FoldFrom(Source source, int64_t count, Reduction op, float* out) const {
+    std::copy_n(source(0), count, out);
     for (int p = 1; p < size(); ++p) {
-      const float* x = slots[p].in + offset;
+      const float* x = source(p);
       if (op == Reduction::kMax) {
         for (int64_t j = 0; j < count; ++j) out[j] = MaxOf(out[j], x[j]);
       } else {
@@ -274,6 +287,42 @@ void InProcessCollectives::AllGather(int replica, const ReplicaGroup& group, con
   const Slot slot{Kind::kAllGather, n, Reduction::kSum, 0, in};
   Sync(g, p, &slot);
   for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].in, n, out + q * n);
+  Sync(g, p, nullptr);
+  Leave(g);
+}
+
+void InProcessCollectives::ReduceScatterParts(int replica, const ReplicaGroup& group, const float* const* ins,
+                                              const int64_t* ns, int parts, float* out, Reduction op) {
+  int64_t total = 0;
+  for (int i = 0; i < parts; ++i) total += ns[i];
+  int p;
+  Group& g = Enter(replica, group, total, &p);
+  for (int i = 0; i < parts; ++i) CheckDisjoint("ReduceScatterParts", ins[i], ns[i] * g.size(), out, total);
+  Slot slot{Kind::kReduceScatterParts, total, op, 0, nullptr};
+  slot.parts = ins;
+  slot.ns = ns;
+  slot.nparts = parts;
+  Sync(g, p, &slot);
+  for (int64_t i = 0, col = 0; i < parts; col += ns[i++])
+    g.FoldFrom([&](int q) { return g.slots[q].parts[i] + p * ns[i]; }, ns[i], op, out + col);
+  Sync(g, p, nullptr);
+  Leave(g);
+}
+
+void InProcessCollectives::AllGatherParts(int replica, const ReplicaGroup& group, const float* const* ins,
+                                          const int64_t* ns, int parts, float* const* outs) {
+  int64_t total = 0;
+  for (int i = 0; i < parts; ++i) total += ns[i];
+  int p;
+  Group& g = Enter(replica, group, total, &p);
+  for (int i = 0; i < parts; ++i) CheckDisjoint("AllGatherParts", ins[i], ns[i], outs[i], ns[i] * g.size());
+  Slot slot{Kind::kAllGatherParts, total, Reduction::kSum, 0, nullptr};
+  slot.parts = ins;
+  slot.ns = ns;
+  slot.nparts = parts;
+  Sync(g, p, &slot);
+  for (int i = 0; i < parts; ++i)
+    for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].parts[i], ns[i], outs[i] + q * ns[i]);
   Sync(g, p, nullptr);
   Leave(g);
 }

@@ -10,7 +10,8 @@
 //   3. done: a second rendezvous, after which nobody reads another member's buffers (AllReduce
 //      members then copy the whole result out of scratch).
 // Every byte crosses memory once per member: no staging copies for ReduceScatter and AllGather,
-// which the sharded weight update uses for its largest tensors.
+// which the sharded weight update uses for its largest tensors. Their Parts forms read (and write)
+// each tensor of a combined collective where it is, so the combiner's packing costs no copy either.
 // Element j is always folded in group order (position 0 first) by one function, so AllReduce has
 // exactly the bits of ReduceScatter + AllGather and the bits never depend on thread timing. "max"
 // propagates NaN. AllReduce works in place; the input and output of ReduceScatter and AllGather must
@@ -51,6 +52,11 @@ class InProcessCollectives final : public Collectives {
   void ReduceScatter(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n,
                      Reduction op) override;
   void AllGather(int replica, const ReplicaGroup& group, const float* in, float* out, int64_t n) override;
+  // Member p reads every member's parts directly: no packing copy.
+  void ReduceScatterParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns, int parts,
+                          float* out, Reduction op) override;
+  void AllGatherParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns, int parts,
+                      float* const* outs) override;
   void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) override;
   void Barrier(int replica, const ReplicaGroup& group) override;
   // Any pair of replicas (runtime/mailboxes.h).

@@ -153,6 +153,61 @@ void CheckCollectivesConformance(const CollectivesFactory& make) {
     }
   }
 
+  SECTION("the parts forms have the bits of the packed reduce-scatter and all-gather, on sub-groups too") {
+    // Parts of 0, 1, 7 and 1001 columns (an empty one among them), packed column-wise as the collective
+    // combiner's concat does; the all-gather's parts unpacked as its slices do.
+    const std::vector<int64_t> ns = {7, 0, 1001, 1};
+    const int64_t total = 1009;
+    for (int nrep : {1, 3, 4}) {
+      auto c = make(nrep);
+      for (const ReplicaGroup& group : {Iota(0, nrep), nrep == 4 ? ReplicaGroup{3, 1} : Iota(0, nrep)}) {
+        const int64_t g = static_cast<int64_t>(group.size());
+        for (Reduction op : kAllOps) {
+          // parts[r][i]: replica r's part i, [g, ns[i]]; packed[r]: [g, total]
+          std::vector<Buffers> parts(nrep, Buffers(ns.size()));
+          Buffers packed(nrep, std::vector<float>(g * total)), shard_packed(nrep, std::vector<float>(total)),
+              shard_parts = shard_packed;
+          for (int r = 0; r < nrep; ++r)
+            for (size_t i = 0, col = 0; i < ns.size(); col += ns[i++]) {
+              parts[r][i] = RandomData(31 * r + 7 * i + nrep, g * ns[i]);
+              for (int64_t row = 0; row < g; ++row)
+                std::copy_n(parts[r][i].data() + row * ns[i], ns[i], packed[r].data() + row * total + col);
+            }
+          // The all-gather's input: each replica's reduced shard, in parts.
+          Buffers gathered_packed(nrep, std::vector<float>(g * total));
+          std::vector<Buffers> gathered_parts(nrep, Buffers(ns.size()));
+          for (int r = 0; r < nrep; ++r)
+            for (size_t i = 0; i < ns.size(); ++i) gathered_parts[r][i].assign(g * ns[i], -1.0f);
+          RunReplicas(nrep, c.get(), [&](int r) {
+            if (std::find(group.begin(), group.end(), r) == group.end()) return;
+            std::vector<const float*> ins, shard_ins;
+            std::vector<float*> outs;
+            for (size_t i = 0, col = 0; i < ns.size(); col += ns[i++]) {
+              ins.push_back(parts[r][i].data());
+              shard_ins.push_back(shard_parts[r].data() + col);
+              outs.push_back(gathered_parts[r][i].data());
+            }
+            c->ReduceScatter(r, group, packed[r].data(), shard_packed[r].data(), total, op);
+            c->ReduceScatterParts(r, group, ins.data(), ns.data(), static_cast<int>(ns.size()), shard_parts[r].data(), op);
+            c->AllGather(r, group, shard_packed[r].data(), gathered_packed[r].data(), total);
+            c->AllGatherParts(r, group, shard_ins.data(), ns.data(), static_cast<int>(ns.size()), outs.data());
+          });
+          for (int64_t r : group) {
+            INFO("N=" << nrep << " group of " << g << " op=" << static_cast<int>(op) << " replica " << r);
+            CHECK(BitDiff(shard_parts[r], shard_packed[r]) == "");
+            for (size_t i = 0, col = 0; i < ns.size(); col += ns[i++])
+              for (int64_t row = 0; row < g; ++row) {
+                const float* want = gathered_packed[r].data() + row * total + col;
+                CHECK(BitDiff(std::vector<float>(gathered_parts[r][i].begin() + row * ns[i],
+                                                 gathered_parts[r][i].begin() + (row + 1) * ns[i]),
+                              std::vector<float>(want, want + ns[i])) == "");
+              }
+          }
+        }
+      }
+    }
+  }
+
   SECTION("barrier: writes before it are visible to every member after it") {
     const int nrep = 6;
     auto c = make(nrep);
@@ -377,6 +432,31 @@ TEST_CASE("ParseReduction names sum, mean and max", "[collectives]") {
 
 TEST_CASE("InProcessCollectives passes the Collectives conformance test", "[collectives]") {
   CheckCollectivesConformance([](int n) { return std::make_unique<InProcessCollectives>(n); });
+}
+
+// Forwards the packed collectives only, so the parts forms run through Collectives' packing defaults
+// (the path of MPI and the TPU mesh).
+class PackingDefaults final : public Collectives {
+ public:
+  explicit PackingDefaults(int n) : inner_(n) {}
+  int num_replicas() const override { return inner_.num_replicas(); }
+  void AllReduce(int r, const ReplicaGroup& g, float* d, int64_t n, Reduction op) override { inner_.AllReduce(r, g, d, n, op); }
+  void ReduceScatter(int r, const ReplicaGroup& g, const float* in, float* out, int64_t n, Reduction op) override {
+    inner_.ReduceScatter(r, g, in, out, n, op);
+  }
+  void AllGather(int r, const ReplicaGroup& g, const float* in, float* out, int64_t n) override {
+    inner_.AllGather(r, g, in, out, n);
+  }
+  void Broadcast(int r, const ReplicaGroup& g, float* d, int64_t n, int root) override { inner_.Broadcast(r, g, d, n, root); }
+  void Barrier(int r, const ReplicaGroup& g) override { inner_.Barrier(r, g); }
+  void Abort(const std::string& why) override { inner_.Abort(why); }
+
+ private:
+  InProcessCollectives inner_;
+};
+
+TEST_CASE("Collectives' packing defaults of the parts forms pass the conformance test", "[collectives]") {
+  CheckCollectivesConformance([](int n) { return std::make_unique<PackingDefaults>(n); });
 }
 
 TEST_CASE("InProcessCollectives reports misuse instead of hanging", "[collectives]") {

@@ -21,6 +21,9 @@
 #include "ir/passes/weight_update_sharder.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
+#include "jit/compiled_step.h"
+#include "runtime/inprocess_collectives.h"
+#include "runtime/replica_runner.h"
 #include "tests/ir/passes/pass_test_util.h"
 
 namespace shardstep::ir {
@@ -197,6 +200,34 @@ TEST_CASE("packing a packed collective again does not nest the copies", "[collec
   CHECK(Count(c.text, "concat(") == 2);  // one packing each way
   EXPECT_SAME_TRAINING(before, c.after, /*tol=*/0);
   EXPECT_SAME_TRAINING(pairs.after, c.after, /*tol=*/0);
+}
+
+// The JIT runs the combined reduce-scatter and all-gather on their parts (jit/compiled_step.cc
+// PlanPackedCollectives): neither concat nor the all-gather's slices copy anything, and training has the
+// interpreter's bits on the packed module, at N = 2 and N = 3 (where every tensor is padded).
+TEST_CASE("the JIT runs combined collectives on their parts, with the packed module's bits", "[collective-combiner][jit]") {
+  for (int n : {2, 3}) {
+    const Module before = ParseVerified(MomentumModule({"2", "4", "2,2", "3", "6,1", "5"}, n));
+    const Combined c = RunCombiner(Sharded(before), 4 << 20, 64);
+    REQUIRE(CountOps(c.after, OpCode::kReduceScatter) == 1);
+    REQUIRE(CountOps(c.after, OpCode::kAllGather) == 1);
+    const auto step = jit::CompiledStep::Compile(c.after, jit::JitOptions{"", /*disk_cache=*/false});
+    CHECK(step->info().packed_collectives == 2);
+    std::mt19937 rng(11);
+    const TensorMap logical = RandomLogicalState(before, rng);
+    const auto inputs = RandomInputs(before, 3, rng);
+    const Run ref = Train(c.after, logical, inputs);  // the interpreter, packing with concat and slices
+    std::vector<TensorMap> states(n);
+    for (int r = 0; r < n; ++r) states[r] = runtime::ReplicaState(c.after, logical, r);
+    std::vector<jit::Workspace> ws(n);
+    runtime::InProcessCollectives collectives(n);
+    for (size_t s = 0; s < inputs.size(); ++s) {
+      runtime::RunReplicas(n, &collectives, [&](int r) { step->Run(states[r], inputs[s][r], r, &collectives, &ws[r]); });
+      for (int r = 0; r < n; ++r)
+        for (const auto& [name, t] : ref.states[s][r])
+          CHECK(Compare(Str("N=", n, " step ", s, " replica ", r, " @", name), states[r].at(name), t, 0) == "");
+    }
+  }
 }
 
 TEST_CASE("combining respects the byte threshold", "[collective-combiner][thresholds]") {
