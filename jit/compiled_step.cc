@@ -471,30 +471,45 @@ void CompiledStep::Plan(bool fuse_reductions) {
     driver_steps_.push_back(d);
   }
   PlanRoutes();
-  PlanRowViews();
+  PlanViews();
   PlanBuffers();
 }
 
-// A gather of one row (one index) of a variable reads that row in place instead of copying it: the
-// sharded weight update's shard of each weight, gather(reshape(@w), replica_id). Variables are not
-// written before the assignments at the end of the step, so the row holds its value throughout; a
-// view (or a reshape of it) that is assigned stays a copy, since the assignments may overwrite the
-// variable it points into before copying it.
-void CompiledStep::PlanRowViews() {
+// Views: values read in place from their operand's storage instead of copied.
+//  - A gather of one row (one index) of a variable: the sharded weight update's shard of each weight,
+//    gather(reshape(@w), replica_id). Variables are not written before the assignments at the end of
+//    the step, so the row holds its value throughout.
+//  - A contiguous slice (whole in every dimension but the first): the reduce-scatter's result cut
+//    into each tensor's shard. Its operand's storage stays live as long as the view is read
+//    (PlanBuffers: the view's storage is its operand's).
+// A view (or a reshape of it) that is assigned stays a copy, since the assignments may overwrite the
+// storage it points into before copying it.
+void CompiledStep::PlanViews() {
   const int n = m_.size();
   auto root_of = [&](ValueId v) {
     while (LoweringOf(m_, v) == Lowering::kAlias) v = m_.at(v).operands[0];
     return v;
   };
-  row_view_.assign(n, 0);
+  view_.assign(n, 0);
+  std::vector<char> slice(n, 0);
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
-    if (in.op != OpCode::kGather || LoweringOf(m_, v) != Lowering::kNative || !needs_buffer_[v]) continue;
-    if (m_.type(in.operands[1]).elements() != 1 || in.type.dtype == DType::kBF16) continue;
-    row_view_[v] = m_.at(root_of(in.operands[0])).op == OpCode::kVariable;
+    if (LoweringOf(m_, v) != Lowering::kNative || !needs_buffer_[v] || elided_[v] || in.type.dtype == DType::kBF16) continue;
+    if (in.op == OpCode::kGather) {
+      view_[v] = m_.type(in.operands[1]).elements() == 1 && m_.at(root_of(in.operands[0])).op == OpCode::kVariable;
+    } else if (in.op == OpCode::kSlice) {
+      const Shape& src = m_.type(in.operands[0]).shape;
+      const ir::IntList& start = in.GetInts("start");
+      bool whole = true;
+      for (size_t d = 1; d < src.size(); ++d) whole &= start[d] == 0 && in.type.shape[d] == src[d];
+      view_[v] = slice[v] = whole;
+    }
   }
-  for (const auto& [var, v] : m_.assigns) row_view_[root_of(v)] = 0;
-  info_.row_views = static_cast<int>(std::count(row_view_.begin(), row_view_.end(), 1));
+  for (const auto& [var, v] : m_.assigns) view_[root_of(v)] = 0;
+  int slices = 0;
+  for (ValueId v = 0; v < n; ++v) slices += view_[v] && slice[v];
+  info_.slice_views = slices;
+  info_.row_views = static_cast<int>(std::count(view_.begin(), view_.end(), 1)) - slices;
 }
 
 // The collective combiner packs tensors into one collective with a concat, and unpacks an all-gather's
@@ -712,9 +727,10 @@ void CompiledStep::PlanRoutes() {
 
 void CompiledStep::PlanBuffers() {
   const int n = m_.size(), end = static_cast<int>(schedule_.size());
-  // Storage is the alias root's: readers of a reshape keep its operand alive.
+  // Storage is the alias root's: readers of a reshape (or a view) keep its operand alive.
   std::vector<ValueId> root(n);
-  for (ValueId v = 0; v < n; ++v) root[v] = LoweringOf(m_, v) == Lowering::kAlias ? root[m_.at(v).operands[0]] : v;
+  for (ValueId v = 0; v < n; ++v)
+    root[v] = LoweringOf(m_, v) == Lowering::kAlias || view_[v] ? root[m_.at(v).operands[0]] : v;
   std::vector<int> first(n, 0), last(n, -1);
   auto read = [&](ValueId v, int at) { last[root[v]] = std::max(last[root[v]], at); };
   for (int p = 0; p < end; ++p) {
@@ -745,7 +761,7 @@ void CompiledStep::PlanBuffers() {
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
     if (!needs_buffer_[v] || in.op == OpCode::kVariable || in.op == OpCode::kInput) continue;
-    if (LoweringOf(m_, v) == Lowering::kAlias || row_view_[v]) continue;
+    if (LoweringOf(m_, v) == Lowering::kAlias || view_[v]) continue;
     if (in.op == OpCode::kConstant) {
       requests[v] = {in.type.bytes(), 0, end};  // filled once: never shared
     } else if (swappable_[v]) {
@@ -1008,6 +1024,10 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       Strides is = RowMajor(shape(0));
       int64_t offset = 0;
       for (size_t i = 0; i < start.size(); ++i) offset += start[i] * is[i];
+      if (view_[v]) {  // PlanViews
+        ws->ptr[v] = const_cast<uint32_t*>(U(0)) + offset;
+        return;
+      }
       StridedGather(in.type.shape, U(0) + offset, is, uo);
       return;
     }
@@ -1049,7 +1069,7 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
       const int64_t count = m_.type(in.operands[1]).elements();
       for (int64_t i = 0; i < count; ++i) {
         if (idx[i] < 0 || idx[i] >= rows) throw Error(Str("gather index ", idx[i], " out of range [0,", rows, ")"));
-        if (row_view_[v]) ws->ptr[v] = const_cast<uint32_t*>(U(0)) + idx[i] * width;  // PlanRowViews
+        if (view_[v]) ws->ptr[v] = const_cast<uint32_t*>(U(0)) + idx[i] * width;  // PlanViews
         else std::memcpy(uo + i * width, U(0) + idx[i] * width, width * 4);
       }
       return;

@@ -27,7 +27,8 @@ struct CompileInfo {
   int fused_ops = 0;       // instructions inside them
   int fused_reductions = 0;  // reductions run inside the loop that produces their operand
   int windowed_values = 0;   // values those loops never write to memory (read only by the reductions)
-  int row_views = 0;         // gathers of one row of a variable, read in place (PlanRowViews)
+  int row_views = 0;         // gathers of one row of a variable, read in place (PlanViews)
+  int slice_views = 0;       // contiguous slices read in place (PlanViews)
   int packed_collectives = 0;  // combined collectives run on their parts, without concat or slice copies
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
@@ -101,7 +102,7 @@ class CompiledStep {
   void Plan(bool fuse_reductions);
   void FuseReductions(const std::vector<int>& kernel_of, std::vector<char>& external);
   void RunFusedReductions(int group, Workspace* ws) const;
-  void PlanRowViews();
+  void PlanViews();
   void PlanPackedCollectives();
   void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, int replica, runtime::Collectives* c,
                            Workspace* ws) const;
@@ -122,7 +123,7 @@ class CompiledStep {
   std::vector<char> needs_buffer_;             // per value
   std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
-  std::vector<char> row_view_;                 // per value: a gather of one row of a variable, read in place
+  std::vector<char> view_;                     // per value: a view into its operand's storage (PlanViews)
   // Combined collectives run on their parts (PlanPackedCollectives): a reduce-scatter reads the parts of
   // its concat and an all-gather those of its concat and writes the slices of its result, so neither the
   // concats nor the slices copy anything (elided_). Per collective value, an index into packed_ or -1.

@@ -1310,6 +1310,30 @@ TEST_CASE("a gather of one row of a variable reads it in place and keeps the old
   }
 }
 
+// A contiguous slice (whole in every dimension but the first: the reduce-scatter's result cut into each
+// tensor's shard) is a view into its operand (PlanViews), whose storage then stays live while the view
+// is read: here a loop computed after the slice (u) would otherwise take the sliced value's place.
+TEST_CASE("a contiguous slice reads its operand in place, and keeps the operand alive", "[jit]") {
+  ir::Module m;
+  m.name = "slice view";
+  ir::Builder b(&m);
+  const ir::TensorType xt{DType::kF32, {64, 32}};
+  const auto x = b.Input("x", xt);
+  const auto t = b.MulScalar(x, 2.0);                                              // in the arena
+  const auto s = b.Emit(OpCode::kSlice, {t}, {{"start", IntList{8, 0}}, {"limit", IntList{40, 32}}});  // a view
+  const auto strided = b.Emit(OpCode::kSlice, {b.MulScalar(b.Input("x2", {DType::kF32, {32, 64}}), 1.5)},
+                              {{"start", IntList{0, 16}}, {"limit", IntList{32, 48}}});  // columns: a copy
+  const auto u = b.Emit(OpCode::kSlice, {b.AddScalar(b.Emit(OpCode::kTranspose, {x}, {{"perm", IntList{1, 0}}}), 1.0)},
+                        {{"start", IntList{0, 0}}, {"limit", IntList{32, 32}}});  // [32, 32], computed after s
+  m.outputs.push_back({"y", b.Add(b.Mul(s, u), strided)});
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  CHECK(step->info().slice_views >= 1);  // s at least (u's slice may be read by the last loop through its index map); `strided` is a copy
+  TensorMap inputs{{"x", Random(xt, 21, Dist::kUniform)}, {"x2", Random({DType::kF32, {32, 64}}, 22, Dist::kUniform)}};
+  TensorMap vars;
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
+  CHECK(Compare(ref.at("y"), got.at("y"), Tolerance::Exact()).ok);
+}
+
 // relu's gradient after max pooling's, select(y > 0, max_pool_grad(y, dy), 0) with y = relu(x), runs
 // in the pooling gradient's own pass (jit/compiled_step.cc MaskMaxPoolGradsByRelu): no select is left
 // in any loop, and the result is the interpreter's bit for bit (overlapping windows add in the same
