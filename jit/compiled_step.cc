@@ -17,9 +17,14 @@
 //     reader (through reshape aliases; outputs and assigned values to the end of the step), and
 //     values not live at once share bytes. A value swapped into its variable at the end of the step
 //     (assigned once, not an output) keeps a tensor of its own, since the variable takes its storage.
-//     Variables and inputs are read in place; reshape aliases its operand. A step allocates nothing
-//     except on the reference path (and small per-op index vectors and the returned outputs).
-//  5. Assignments take effect together, as in the interpreter: a variable read in place by another
+//     Variables and inputs are read in place; reshape aliases its operand, and so do views (PlanViews:
+//     a gather of one row of a variable, a contiguous slice), which keep their operand's storage live.
+//     A step allocates nothing except on the reference path (and small per-op index vectors and the
+//     returned outputs).
+//  5. The collective combiner's packing runs without copies (PlanPackedCollectives): a combined
+//     reduce-scatter reads its concat's parts where they are, a combined all-gather writes the slices
+//     of its result directly (Collectives::ReduceScatterParts / AllGatherParts).
+//  6. Assignments take effect together, as in the interpreter: a variable read in place by another
 //     assignment (`@a = @b; @b = @a`, a reshape of a variable) is read before it is overwritten, and
 //     a cycle of such reads goes through a staging buffer (jit/buffer_plan.h SequenceAssignments).
 // Lowering of the non-fused ops: matmul -> oneDNN sgemm (batched: one per batch element,
