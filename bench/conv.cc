@@ -1,7 +1,8 @@
 // bench/conv: resnet20's convolutions (batch 128, 28x28 input) forward, input gradient and filter
-// gradient on the CPU JIT's three paths, measured in one run: im2col + sgemm per image (the old path),
-// oneDNN's convolution primitives on plain NCHW/OIHW memory, and on oneDNN's blocked layouts with the
-// reorders from and to NCHW/OIHW included. Each path runs as the step runs it (blocks of images as TBB
+// gradient on the CPU JIT's four paths, measured in one run: im2col + sgemm per image (the old path),
+// oneDNN's convolution primitives on plain NCHW/OIHW memory, on oneDNN's blocked layouts with the
+// reorders from and to NCHW/OIHW included, and oneDNN's Winograd kernels on those layouts (3x3
+// stride-1 convolutions only). Each path runs as the step runs it (blocks of images as TBB
 // tasks, one OpenMP thread per oneDNN call). Medians of wall time over --reps calls, the paths
 // measured alternately so machine noise hits all alike; ratios are against im2col. It also checks
 // the numbers: each path against im2col (max |diff| relative to the largest |value|), the same bits
@@ -15,8 +16,10 @@
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <memory>
 #include <vector>
 
+#include "ir/error.h"
 #include "jit/dnnl_conv.h"
 #include "jit/dnnl_kernels.h"
 
@@ -28,16 +31,16 @@ namespace {
 
 struct Layer {
   const char* name;
-  int64_t c, o, h, k, stride, pad, count;  // count: such convolutions in one resnet20 step
+  int64_t c, o, stage, k, stride, pad, count;  // stage: input size image / 2^stage; count: per resnet20 step
 };
 
-// resnet20 on 1x28x28 images (models/resnet.cc): stem, three stages of three blocks (the first block
+// resnet20 on 1 x image x image inputs (models/resnet.cc): stem, three stages of three blocks (the first block
 // of stages 2 and 3 strides by 2 and has a 1x1 projection).
 const Layer kLayers[] = {
-    {"stem 1->16 3x3", 1, 16, 28, 3, 1, 1, 1},    {"s1 16->16 3x3", 16, 16, 28, 3, 1, 1, 6},
-    {"s2 16->32 3x3/2", 16, 32, 28, 3, 2, 1, 1},  {"s2 32->32 3x3", 32, 32, 14, 3, 1, 1, 5},
-    {"s3 32->64 3x3/2", 32, 64, 14, 3, 2, 1, 1},  {"s3 64->64 3x3", 64, 64, 7, 3, 1, 1, 5},
-    {"proj 16->32 1x1/2", 16, 32, 28, 1, 2, 0, 1}, {"proj 32->64 1x1/2", 32, 64, 14, 1, 2, 0, 1},
+    {"stem 1->16 3x3", 1, 16, 0, 3, 1, 1, 1},    {"s1 16->16 3x3", 16, 16, 0, 3, 1, 1, 6},
+    {"s2 16->32 3x3/2", 16, 32, 0, 3, 2, 1, 1},  {"s2 32->32 3x3", 32, 32, 1, 3, 1, 1, 5},
+    {"s3 32->64 3x3/2", 32, 64, 1, 3, 2, 1, 1},  {"s3 64->64 3x3", 64, 64, 2, 3, 1, 1, 5},
+    {"proj 16->32 1x1/2", 16, 32, 0, 1, 2, 0, 1}, {"proj 32->64 1x1/2", 32, 64, 1, 1, 2, 0, 1},
 };
 
 double Median(std::vector<double> v) {
@@ -55,24 +58,29 @@ int main(int argc, char** argv) {
   CLI::App app{"Convolution paths of the CPU JIT on resnet20's shapes"};
   int64_t batch = 128;
   int reps = 15;
+  int64_t image = 28;
   app.add_option("--batch", batch, "images per call");
+  app.add_option("--image", image, "input height and width (28: Fashion-MNIST, 32: CIFAR)")->check(CLI::Range(4, 512));
   app.add_option("--reps", reps, "timed calls per path (median)");
   CLI11_PARSE(app, argc, argv);
   jit::ConfigureThreadsForReplica(1);
 
   const ConvKind kinds[] = {ConvKind::kForward, ConvKind::kInputGrad, ConvKind::kFilterGrad};
   const char* kind_names[] = {"forward", "input-grad", "filter-grad"};
-  const ConvPath paths[] = {ConvPath::kIm2col, ConvPath::kDnnlPlain, ConvPath::kDnnlBlocked};
-  std::printf("batch %lld, %d reps, %d hardware threads; median ms per call, ratio vs im2col\n",
-              static_cast<long long>(batch), reps, jit::NumCores());
-  std::printf("%-19s %-11s %9s %9s %6s %9s %6s  %-14s  %s\n", "layer", "kind", "im2col", "plain", "ratio", "blocked",
-              "ratio", "preferred", "checks (max rel diff vs im2col; bits)");
+  const ConvPath paths[] = {ConvPath::kIm2col, ConvPath::kDnnlPlain, ConvPath::kDnnlBlocked, ConvPath::kDnnlWinograd};
+  constexpr int kPaths = 4;
+  std::printf("image %lldx%lld, batch %lld, %d reps, %d hardware threads; median ms per call, ratio vs im2col\n",
+              static_cast<long long>(image), static_cast<long long>(image), static_cast<long long>(batch), reps, jit::NumCores());
+  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col", "plain", "ratio",
+              "blocked", "ratio", "winograd", "ratio", "preferred", "checks (max rel diff vs im2col; bits)");
   double step_old = 0, step_new = 0;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uni(-1, 1);
   bool all_ok = true;
   for (const Layer& l : kLayers) {
-    jit::ConvShape g{batch, l.c, l.h, l.h, l.o, l.k, l.k, l.stride, l.stride, l.pad, l.pad, 0, 0};
+    int64_t h = image;
+    for (int64_t s = 0; s < l.stage; ++s) h = (h + 2 - 3) / 2 + 1;  // a 3x3 stride-2 convolution with padding 1
+    jit::ConvShape g{batch, l.c, h, h, l.o, l.k, l.k, l.stride, l.stride, l.pad, l.pad, 0, 0};
     g.oh = (g.h + 2 * g.ph - g.kh) / g.sh + 1;
     g.ow = (g.w + 2 * g.pw - g.kw) / g.sw + 1;
     std::vector<float> x(g.n * g.c * g.h * g.w), w(g.o * g.k()), dy(g.n * g.o * g.p());
@@ -85,41 +93,55 @@ int main(int argc, char** argv) {
       const float* a = kind == ConvKind::kInputGrad ? dy.data() : x.data();
       const float* b = kind == ConvKind::kFilterGrad ? dy.data() : w.data();
       const size_t out_size = kind == ConvKind::kForward ? dy.size() : kind == ConvKind::kInputGrad ? x.size() : w.size();
-      std::vector<jit::ConvKernel> kernels;
-      for (ConvPath p : paths) kernels.emplace_back(kind, g, p);
-      std::vector<std::vector<float>> out(3, std::vector<float>(out_size));
-      std::vector<double> ms[3];
-      for (int p = 0; p < 3; ++p) kernels[p].Run(a, b, out[p].data());  // warm-up (per-thread state)
+      // Every path that takes the shape (oneDNN's Winograd only 3x3 stride-1 ones with channels in 16s).
+      std::vector<std::unique_ptr<jit::ConvKernel>> kernels;
+      for (ConvPath p : paths) {
+        try {
+          kernels.push_back(std::make_unique<jit::ConvKernel>(kind, g, p));
+        } catch (const Error&) {
+          kernels.push_back(nullptr);
+        }
+      }
+      std::vector<std::vector<float>> out(kPaths, std::vector<float>(out_size));
+      std::vector<double> ms[kPaths];
+      for (int p = 0; p < kPaths; ++p)
+        if (kernels[p]) kernels[p]->Run(a, b, out[p].data());  // warm-up (per-thread state)
       for (int r = 0; r < reps; ++r)
-        for (int p = 0; p < 3; ++p) {
+        for (int p = 0; p < kPaths; ++p) {
+          if (!kernels[p]) continue;
           const auto t0 = std::chrono::steady_clock::now();
-          kernels[p].Run(a, b, out[p].data());
+          kernels[p]->Run(a, b, out[p].data());
           ms[p].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e3);
         }
       // Checks: each path against im2col; the same bits again, and on one TBB thread.
       float scale = 0;
       for (float v : out[0]) scale = std::max(scale, std::fabs(v));
       std::string checks;
-      for (int p = 1; p < 3; ++p) {
+      const char* short_names[] = {"im2col", "plain", "blocked", "winograd"};
+      for (int p = 1; p < kPaths; ++p) {
+        if (!kernels[p]) continue;
         double diff = 0;
         for (size_t i = 0; i < out_size; ++i) diff = std::max(diff, static_cast<double>(std::fabs(out[p][i] - out[0][i])));
         std::vector<float> again(out_size), one(out_size);
-        kernels[p].Run(a, b, again.data());
-        tbb::task_arena(1).execute([&] { kernels[p].Run(a, b, one.data()); });
+        kernels[p]->Run(a, b, again.data());
+        tbb::task_arena(1).execute([&] { kernels[p]->Run(a, b, one.data()); });
         const bool same = SameBits(again, out[p]) && SameBits(one, out[p]);
         all_ok &= same && diff <= 1e-5 * scale;
         char buf[96];
-        std::snprintf(buf, sizeof buf, "%s %.1e %s; ", p == 1 ? "plain" : "blocked", diff / scale,
-                      same ? "same" : "DIFFER");
+        std::snprintf(buf, sizeof buf, "%s %.1e %s; ", short_names[p], diff / scale, same ? "same" : "DIFFER");
         checks += buf;
       }
-      const double m0 = Median(ms[0]), m1 = Median(ms[1]), m2 = Median(ms[2]);
-      const ConvPath chosen = jit::PreferredConvPath(kind, g);
-      const double mc = chosen == ConvPath::kIm2col ? m0 : chosen == ConvPath::kDnnlPlain ? m1 : m2;
-      step_old += l.count * m0;
-      step_new += l.count * mc;
-      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f  %-14s  %s[%s]\n", l.name, kind_names[ki], m0, m1, m1 / m0,
-                  m2, m2 / m0, jit::ConvPathName(chosen), checks.c_str(), kernels[2].Describe().c_str());
+      double m[kPaths];
+      for (int p = 0; p < kPaths; ++p) m[p] = kernels[p] ? Median(ms[p]) : NAN;
+      // resnet20 has no max pooling: its forward passes may take Winograd (ConvTies::kFree).
+      const ConvPath chosen = jit::PreferredConvPath(kind, g, jit::ConvTies::kFree);
+      const int ci = static_cast<int>(std::find(std::begin(paths), std::end(paths), chosen) - std::begin(paths));
+      SS_CHECK(kernels[ci], "the preferred path ", jit::ConvPathName(chosen), " does not take ", l.name);
+      step_old += l.count * m[0];
+      step_new += l.count * m[ci];
+      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s]\n", l.name, kind_names[ki], m[0], m[1],
+                  m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], jit::ConvPathName(chosen), checks.c_str(),
+                  kernels[ci]->Describe().c_str());
     }
   }
   std::printf("resnet20 step's convolutions (each layer x its count): im2col %.2f ms, preferred paths %.2f ms, ratio %.2f\n",

@@ -439,7 +439,12 @@ void CompiledStep::Plan(bool fuse_reductions) {
   }
 
   // Convolutions: the path and oneDNN's primitives, chosen and built once per shape (jit/dnnl_conv.h).
+  // With max pooling in the module, equal input patches must give equal forward outputs (its choice
+  // among equal values follows exact ties), which rules out Winograd for the forward passes.
   conv_.assign(n, nullptr);
+  ConvTies ties = ConvTies::kFree;
+  for (ValueId v = 0; v < n; ++v)
+    if (m_.at(v).op == OpCode::kMaxPool || m_.at(v).op == OpCode::kMaxPoolGrad) ties = ConvTies::kExact;
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
     if (kernel_of[v] >= 0 || LoweringOf(m_, v) != Lowering::kNative) continue;
@@ -448,9 +453,11 @@ void CompiledStep::Plan(bool fuse_reductions) {
     for (ValueId o : in.operands) f32 &= m_.type(o).dtype == DType::kF32;
     if (!f32) continue;  // RunInstr reports it
     const Shape &a = m_.type(in.operands[0]).shape, &b = m_.type(in.operands[1]).shape;
-    if (in.op == OpCode::kConv2d) conv_[v] = PlannedConv(ConvKind::kForward, ConvShapeOf(a, b, in));
-    else if (in.op == OpCode::kConv2dInputGrad) conv_[v] = PlannedConv(ConvKind::kInputGrad, ConvShapeOf(in.type.shape, b, in));
-    else conv_[v] = PlannedConv(ConvKind::kFilterGrad, ConvShapeOf(a, in.type.shape, in));
+    if (in.op == OpCode::kConv2d) conv_[v] = PlannedConv(ConvKind::kForward, ConvShapeOf(a, b, in), ties);
+    else if (in.op == OpCode::kConv2dInputGrad)
+      conv_[v] = PlannedConv(ConvKind::kInputGrad, ConvShapeOf(in.type.shape, b, in), ties);
+    else conv_[v] = PlannedConv(ConvKind::kFilterGrad, ConvShapeOf(a, in.type.shape, in), ties);
+    info_.winograd_convs += conv_[v]->path() == ConvPath::kDnnlWinograd;
   }
 
   // 4. What the driver does at each step; constants need nothing at run time (filled at allocation),

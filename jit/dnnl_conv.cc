@@ -9,7 +9,8 @@
 // changes (a planned step's buffers keep theirs, so a step allocates nothing here). With blocked
 // layouts the weights are reordered once per call by the calling thread and read by every block (when
 // the blocked weights carry no padding, which oneDNN would rewrite when a block binds them; else each
-// block reorders them itself).
+// block reorders them itself). On the Winograd path, each block checks its result for an inf or a NaN;
+// if any block finds one, the call is computed again by the direct kernel (see dnnl_conv.h).
 #include "jit/dnnl_conv.h"
 #include "jit/dnnl_runtime.h"
 
@@ -67,6 +68,7 @@ struct ConvKernel::Impl {
   int64_t per_block = 0;      // images per block
   std::vector<Block> blocks;  // [0]: per_block images; [1]: the remainder, when there is one
   std::string describe;
+  std::shared_ptr<const ConvKernel> exact;  // Winograd: the direct kernel for a non-finite result
 };
 
 namespace {
@@ -183,13 +185,12 @@ struct OneOmpThread {
 
 memory::desc Md(memory::dims d, Tag t) { return memory::desc(d, memory::data_type::f32, t); }
 
-Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked) {
+Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked, dnnl::algorithm alg) {
   const memory::dims x{images, g.c, g.h, g.w}, w{g.o, g.c, g.kh, g.kw}, y{images, g.o, g.oh, g.ow};
   const memory::dims strides{g.sh, g.sw}, pad{g.ph, g.pw};
   const Tag act = blocked ? Tag::any : Tag::nchw, wt = blocked ? Tag::any : Tag::oihw;
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  const auto alg = dnnl::algorithm::convolution_direct;
   const dnnl::convolution_forward::primitive_desc fwd(
       dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg, Md(x, act), Md(w, wt), Md(y, act), strides,
                                       pad, pad),
@@ -265,42 +266,61 @@ const char* ConvPathName(ConvPath p) {
     case ConvPath::kIm2col: return "im2col+sgemm";
     case ConvPath::kDnnlPlain: return "onednn-plain";
     case ConvPath::kDnnlBlocked: return "onednn-blocked";
+    case ConvPath::kDnnlWinograd: return "onednn-winograd";
   }
   return "?";
 }
 
-ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g) {
-  (void)kind;
+namespace {
+// bench/conv on resnet20's shapes (AVX-512; blocks of 8 images, or the filter gradient's 8 groups, one
+// thread each): oneDNN's Winograd F(4x4, 3x3) kernels beat its direct ones on 3x3 stride-1
+// convolutions with 32 or more channels when the output tiles exactly in 4x4 (CIFAR's 32x32 and
+// 16x16: 0.45-0.7x the direct time in all three passes); with partial tiles (Fashion-MNIST's 14x14 and
+// 7x7) only in the filter gradient (0.6-0.8x), where the direct kernels are slowest. With 16 channels
+// they gain nothing. Not for a forward pass whose equal patches must give equal outputs.
+bool WinogradFaster(ConvKind kind, const ConvShape& g, ConvTies ties) {
+  if (g.kh != 3 || g.kw != 3 || g.sh != 1 || g.sw != 1 || g.ph != 1 || g.pw != 1) return false;
+  if (g.c % 16 != 0 || g.o % 16 != 0 || g.c < 32) return false;
+  if (kind == ConvKind::kForward && ties == ConvTies::kExact) return false;
+  return kind == ConvKind::kFilterGrad || (g.oh % 4 == 0 && g.ow % 4 == 0);
+}
+}  // namespace
+
+ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {
   // bench/conv on resnet20's shapes (AVX2): oneDNN's direct kernels on blocked layouts (channels in
   // blocks of 8), reorders included, beat im2col for the 3x3 convolutions with 16-64 channels; with
   // one input channel (the stem) the blocks are mostly padding and im2col wins 4-6x; a 1x1 convolution
   // is one sgemm per image already, and oneDNN's 1x1 kernels with the reorders were no faster. oneDNN
   // on plain NCHW (its gemm convolution) was slower than im2col on most shapes.
   if (g.n == 0 || g.k() == 0 || g.p() == 0) return ConvPath::kIm2col;
+  if (WinogradFaster(kind, g, ties)) return ConvPath::kDnnlWinograd;
   return g.kh * g.kw > 1 && g.c % 8 == 0 && g.o % 8 == 0 ? ConvPath::kDnnlBlocked : ConvPath::kIm2col;
 }
 
-ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g) {
-  static const bool im2col = [] {
+ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {
+  static const std::string choice = [] {
     const char* e = std::getenv("SHARDSTEP_CONV");
-    return e && std::string(e) == "im2col";
+    return std::string(e ? e : "");
   }();
-  return im2col ? ConvPath::kIm2col : PreferredConvPath(kind, g);
+  if (choice == "im2col") return ConvPath::kIm2col;
+  const ConvPath p = PreferredConvPath(kind, g, ties);
+  return choice == "direct" && p == ConvPath::kDnnlWinograd ? ConvPath::kDnnlBlocked : p;
 }
 
-std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g) {
-  using Key = std::array<int64_t, 14>;
+std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g, ConvTies ties) {
+  using Key = std::array<int64_t, 15>;
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<const ConvKernel>> cache;
-  const Key key{static_cast<int64_t>(kind), g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.oh, g.ow};
+  ConvPath path = ChooseConvPath(kind, g, ties);
+  const Key key{static_cast<int64_t>(kind), g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.oh, g.ow,
+                static_cast<int64_t>(path)};
   std::lock_guard<std::mutex> lock(mu);
   auto& k = cache[key];
-  if (!k) {
-    const ConvPath path = ChooseConvPath(kind, g);
+  while (!k) {
     try {
       k = std::make_shared<const ConvKernel>(kind, g, path);
-    } catch (const Error&) {  // a shape oneDNN does not take: the im2col path computes it
-      k = std::make_shared<const ConvKernel>(kind, g, ConvPath::kIm2col);
+    } catch (const Error&) {  // a shape oneDNN does not take: the next path computes it
+      path = path == ConvPath::kDnnlWinograd ? ConvPath::kDnnlBlocked : ConvPath::kIm2col;
     }
   }
   return k;
@@ -313,10 +333,13 @@ ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_
   impl->id = next_id++;
   impl->per_block = ImagesPerBlock(kind, g);
   const OneOmpThread one;
+  const bool blocked = path != ConvPath::kDnnlPlain;
+  const auto alg = path == ConvPath::kDnnlWinograd ? dnnl::algorithm::convolution_winograd
+                                                   : dnnl::algorithm::convolution_direct;
   try {
-    impl->blocks.push_back(MakeBlock(kind, g, impl->per_block, path == ConvPath::kDnnlBlocked));
+    impl->blocks.push_back(MakeBlock(kind, g, impl->per_block, blocked, alg));
     const int64_t rest = g.n % impl->per_block;
-    if (rest) impl->blocks.push_back(MakeBlock(kind, g, rest, path == ConvPath::kDnnlBlocked));
+    if (rest) impl->blocks.push_back(MakeBlock(kind, g, rest, blocked, alg));
   } catch (const dnnl::error& e) {
     throw Error(Str("oneDNN has no convolution for input ", g.n, "x", g.c, "x", g.h, "x", g.w, ", filter ", g.o, "x", g.c,
                     "x", g.kh, "x", g.kw, ": ", e.what()));
@@ -325,6 +348,7 @@ ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_
   const char* name = nullptr;
   dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &name);
   impl->describe = Str(ConvPathName(path), " ", name ? name : "?", impl->blocks[0].share_weights ? " (shared weights)" : "");
+  if (path == ConvPath::kDnnlWinograd) impl->exact = std::make_shared<const ConvKernel>(kind, g, ConvPath::kDnnlBlocked);
   impl_ = std::move(impl);
 }
 
@@ -395,6 +419,7 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
     }
   }
 
+  std::atomic<bool> nonfinite{false};  // a Winograd block's result holds an inf or a NaN
   tbb::parallel_for(int64_t{0}, nblocks, [&](int64_t blk_index) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
@@ -424,7 +449,10 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
     Execute(blk.conv, {{blk.args[0].id, bound[0]}, {blk.args[1].id, bound[1]}, {blk.args[2].id, bound[2]},
                        {DNNL_ARG_SCRATCHPAD, scratch}}, bm.stream.s);
     if (blk.args[2].reordered) Reorder(blk.args[2], bound[2], user[2], scratch, bm.stream.s);
+    if (im.exact && AnyNonFinite(static_cast<const float*>(ptr[2]), parts ? ws : images * out_img))
+      nonfinite.store(true, std::memory_order_relaxed);
   });
+  if (nonfinite.load()) return im.exact->Run(a, b, out);
   if (!parts) return;
   std::fill(out, out + ws, 0.0f);
   for (int64_t group = 0; group < kFilterGradGroups; ++group)

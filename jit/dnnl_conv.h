@@ -15,15 +15,23 @@ namespace shardstep::jit {
 
 enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // kDnnlPlain: oneDNN on the IR's NCHW/OIHW memory. kDnnlBlocked: oneDNN's preferred (blocked) layouts
-// (format `any`), reordered from and to NCHW/OIHW around every block.
-enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked };
+// (format `any`), reordered from and to NCHW/OIHW around every block. kDnnlWinograd: oneDNN's
+// Winograd F(4x4, 3x3) kernels on the blocked layouts (3x3, stride 1; about half the multiplies, within
+// the conformance tolerance); a call whose result holds an inf or a NaN is computed again on the
+// kDnnlBlocked path, since Winograd's transforms spread one non-finite input over a whole tile.
+enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd };
 const char* ConvPathName(ConvPath p);
-// The faster path for this convolution by bench/conv's measurements: a rule on the shape alone, so
-// the same module always computes the same bits.
-ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g);
+// Whether equal input patches must give equal forward outputs: a module with max pooling, whose choice
+// among equal values follows exact ties (Winograd's result depends on a patch's place in its tile).
+enum class ConvTies { kFree, kExact };
+
+// The faster path for this convolution by bench/conv's measurements: a rule on the shape (and ties)
+// alone, so the same module always computes the same bits.
+ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact);
 // The path a step takes: PreferredConvPath, or im2col for every convolution when the environment
-// variable SHARDSTEP_CONV=im2col is set (read once per process; to compare the two).
-ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g);
+// variable SHARDSTEP_CONV=im2col is set, or no Winograd with SHARDSTEP_CONV=direct (read once per
+// process; to compare them).
+ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact);
 
 // Images per oneDNN call for the forward pass and the input gradient.
 constexpr int64_t kConvChunk = 8;
@@ -50,8 +58,9 @@ class ConvKernel {
   std::shared_ptr<const Impl> impl_;  // the primitives (null for kIm2col)
 };
 
-// The kernel for (kind, shape), built at the first request (when a step is planned) and cached for the
-// process; the path is ChooseConvPath's (im2col when oneDNN refuses the shape).
-std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g);
+// The kernel for (kind, shape, ties), built at the first request (when a step is planned) and cached
+// for the process; the path is ChooseConvPath's (the next one when oneDNN refuses the shape: Winograd,
+// then blocked, then im2col).
+std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact);
 
 }  // namespace shardstep::jit

@@ -2,6 +2,8 @@
 // interpreter within the conformance tolerance (a sum of K terms), including batches that leave a
 // smaller last block and filter-gradient groups with no image; they give the same bits twice and on
 // one TBB thread; the three paths agree; and inf/NaN meeting padding gives the interpreter's NaNs.
+// The Winograd path: within the same tolerance, deterministic, preferred only where it pays, a
+// non-finite result recomputed on the direct path, and no Winograd forward pass next to max pooling.
 #include <catch2/catch.hpp>
 #include <tbb/task_arena.h>
 
@@ -211,5 +213,127 @@ TEST_CASE("equal input patches give equal forward outputs on the path a step tak
     std::printf("%s: %lld of %lld equal-patch outputs differ from the first\n", jit::ConvPathName(p),
                 static_cast<long long>(unequal), static_cast<long long>(pairs));
     CHECK(unequal == 0);
+  }
+}
+
+// oneDNN's Winograd kernels (AVX-512 only) compute 4x4 output tiles from transformed 6x6 input tiles:
+// a different sum from the direct one, which must still be within the conformance tolerance of the
+// interpreter's, the same bits however the blocks are spread over threads, and preferred only where
+// bench/conv measured a gain.
+TEST_CASE("Winograd convolutions match the interpreter, give the same bits on any number of threads, and are "
+          "preferred only where they pay",
+          "[jit][conv]") {
+  if (!__builtin_cpu_supports("avx512f")) {
+    WARN("no AVX-512: oneDNN has no Winograd kernels here");
+    return;
+  }
+  jit::ConfigureThreadsForReplica(1);
+  const Geometry exact_tiles{19, 32, 32, 8, 8, 3, 3, 1, 1};    // blocks of 8, 8, 3 images; 2x2 whole tiles
+  const Geometry partial_tiles{5, 48, 32, 7, 6, 3, 3, 1, 1};   // one block of 5; filter groups of 1, three empty
+  const Geometry few_channels{4, 16, 16, 8, 8, 3, 3, 1, 1};
+  const OpCode ops[] = {OpCode::kConv2d, OpCode::kConv2dInputGrad, OpCode::kConv2dFilterGrad};
+  uint32_t seed = 11;
+  for (const Geometry& g : {exact_tiles, partial_tiles})
+    for (OpCode op : ops) {
+      INFO(ir::OpName(op) << " n" << g.n << " c" << g.c << " o" << g.o << " " << g.h << "x" << g.w);
+      const ir::Module m = OneOp(op, g);
+      const ir::Instr& in = m.at(m.outputs[0].second);
+      TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, seed++)},
+                       {"b", RandomF32(m.type(in.operands[1]).shape, seed++)}};
+      const Tensor want = Interpret(m, inputs), scale = Interpret(m, Abs(inputs));
+      const jit::ConvKernel kernel(KindOf(op), ShapeOf(g), jit::ConvPath::kDnnlWinograd);
+      CHECK(kernel.Describe().find("wino") != std::string::npos);
+      auto run = [&] {
+        Tensor t(want.type);
+        kernel.Run(inputs["a"].f32.data(), inputs["b"].f32.data(), t.f32.data());
+        return t;
+      };
+      const Tensor got = run();
+      const conformance::Verdict v = Compare(want, got, Tolerance::Sum(Terms(op, g)), &scale);
+      INFO(kernel.Describe() << "\n" << v.message);
+      CHECK(v.ok);
+      CHECK_FALSE(SameBits(got, want));  // a different sum, not the direct one under another name
+      CHECK(SameBits(run(), got));
+      Tensor one;
+      tbb::task_arena(1).execute([&] { one = run(); });
+      CHECK(SameBits(one, got));
+    }
+
+  using jit::ConvKind;
+  using jit::ConvPath;
+  using jit::ConvTies;
+  const jit::ConvShape whole = ShapeOf(exact_tiles), partial = ShapeOf(partial_tiles), few = ShapeOf(few_channels);
+  CHECK(jit::PreferredConvPath(ConvKind::kForward, whole, ConvTies::kFree) == ConvPath::kDnnlWinograd);
+  CHECK(jit::PreferredConvPath(ConvKind::kForward, whole, ConvTies::kExact) == ConvPath::kDnnlBlocked);
+  CHECK(jit::PreferredConvPath(ConvKind::kInputGrad, whole, ConvTies::kExact) == ConvPath::kDnnlWinograd);
+  CHECK(jit::PreferredConvPath(ConvKind::kFilterGrad, whole, ConvTies::kExact) == ConvPath::kDnnlWinograd);
+  // Partial tiles: the filter gradient only; 16 channels: never.
+  CHECK(jit::PreferredConvPath(ConvKind::kForward, partial, ConvTies::kFree) == ConvPath::kDnnlBlocked);
+  CHECK(jit::PreferredConvPath(ConvKind::kInputGrad, partial, ConvTies::kFree) == ConvPath::kDnnlBlocked);
+  CHECK(jit::PreferredConvPath(ConvKind::kFilterGrad, partial, ConvTies::kFree) == ConvPath::kDnnlWinograd);
+  for (ConvKind kind : {ConvKind::kForward, ConvKind::kInputGrad, ConvKind::kFilterGrad})
+    CHECK(jit::PreferredConvPath(kind, few, ConvTies::kFree) == ConvPath::kDnnlBlocked);
+}
+
+// Winograd's input transform adds and subtracts a tile's inputs, so one inf makes NaNs over a whole
+// tile where the direct sum (the interpreter's) has infs on the outputs that read it: such a call is
+// computed again on the direct path.
+TEST_CASE("an inf on the Winograd path gives the direct path's result", "[jit][conv]") {
+  if (!__builtin_cpu_supports("avx512f")) {
+    WARN("no AVX-512: oneDNN has no Winograd kernels here");
+    return;
+  }
+  jit::ConfigureThreadsForReplica(1);
+  const float inf = std::numeric_limits<float>::infinity();
+  const Geometry g{9, 32, 32, 8, 8, 3, 3, 1, 1};
+  for (OpCode op : {OpCode::kConv2d, OpCode::kConv2dInputGrad, OpCode::kConv2dFilterGrad}) {
+    INFO(ir::OpName(op));
+    const ir::Module m = OneOp(op, g);
+    const ir::Instr& in = m.at(m.outputs[0].second);
+    TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, 5)},
+                     {"b", RandomF32(m.type(in.operands[1]).shape, 6)}};
+    // Image 8 (the last block), channel 3, row 3, column 4: an interior pixel of x or dy.
+    inputs["a"].f32[((8 * 32 + 3) * 8 + 3) * 8 + 4] = inf;
+    const Tensor want = Interpret(m, inputs);
+    auto run = [&](jit::ConvPath p) {
+      Tensor t(want.type);
+      jit::ConvKernel(KindOf(op), ShapeOf(g), p).Run(inputs["a"].f32.data(), inputs["b"].f32.data(), t.f32.data());
+      return t;
+    };
+    const Tensor got = run(jit::ConvPath::kDnnlWinograd), direct = run(jit::ConvPath::kDnnlBlocked);
+    CHECK(SameBits(got, direct));
+    int64_t infs = 0, class_mismatches = 0;
+    for (size_t i = 0; i < want.f32.size(); ++i) {
+      infs += std::isinf(want.f32[i]);
+      class_mismatches += std::isnan(want.f32[i]) != std::isnan(got.f32[i]) || std::isinf(want.f32[i]) != std::isinf(got.f32[i]);
+    }
+    CHECK(infs > 0);
+    CHECK(class_mismatches == 0);
+  }
+}
+
+// A step's forward convolutions take Winograd only without max pooling, whose ties need equal patches
+// to give equal outputs (see above); the gradients take it either way.
+TEST_CASE("a compiled step keeps its forward convolutions direct when the module has max pooling", "[jit][conv]") {
+  if (!__builtin_cpu_supports("avx512f")) {
+    WARN("no AVX-512: oneDNN has no Winograd kernels here");
+    return;
+  }
+  const Geometry g{4, 32, 32, 8, 8, 3, 3, 1, 1};
+  for (bool pool : {false, true}) {
+    ir::Module m;
+    ir::Builder b(&m);
+    const ir::ValueId x = b.Input("x", {DType::kF32, {g.n, g.c, g.h, g.w}});
+    const ir::ValueId w = b.Input("w", {DType::kF32, {g.o, g.c, g.kh, g.kw}});
+    const ir::ValueId dy = b.Input("dy", {DType::kF32, {g.n, g.o, g.oh(), g.ow()}});
+    const ir::Attrs attrs{{"stride", IntList{1, 1}}, {"padding", IntList{1, 1}}};
+    ir::ValueId y = b.Emit(OpCode::kConv2d, {x, w}, attrs);
+    if (pool) y = b.Emit(OpCode::kMaxPool, {y}, {{"window", IntList{2, 2}}});
+    ir::Attrs fg = attrs;
+    fg["filter_shape"] = IntList{g.o, g.c, g.kh, g.kw};
+    m.outputs.push_back({"y", y});
+    m.outputs.push_back({"dw", b.Emit(OpCode::kConv2dFilterGrad, {x, dy}, fg)});
+    INFO("max pooling: " << pool);
+    CHECK(jit::CompiledStep::Compile(m)->info().winograd_convs == (pool ? 1 : 2));
   }
 }
