@@ -60,6 +60,12 @@ struct RowBlocks {
 RowBlocks BlocksOf(int64_t m, int64_t n, int64_t k) {
   const int64_t work = m * n * k;
   int64_t blocks = std::clamp<int64_t>(work >> 21, 1, 8);
+  // A long inner dimension (a weight gradient summed over many tokens: K at least 8x the larger output
+  // dimension): every block streams all of its K x n operand from memory, so fewer blocks read it fewer
+  // times. transformer_lm's [128|512, 128|512] x 4096 products in 2 blocks instead of 8 (/tmp micro-
+  // benchmark on 2 cores, medians): bf16 0.47 -> 0.36 ms, 1.79 -> 1.37-1.43, 1.55-1.69 -> 1.35-1.37; f32
+  // 10-15% faster.
+  if (k >= 8 * std::max(m, n)) blocks = std::min<int64_t>(blocks, 2);
   blocks = std::min<int64_t>(blocks, std::max<int64_t>(1, m / 8));
   int64_t rows = (m + blocks - 1) / blocks;
   rows = (rows + 7) / 8 * 8;
