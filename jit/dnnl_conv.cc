@@ -73,43 +73,6 @@ struct ConvKernel::Impl {
 
 namespace {
 
-// A oneDNN memory object over storage we own, made per block: through the C API, so the only
-// allocations are oneDNN's own small ones (the C++ handles would add a shared_ptr per object).
-struct Mem {
-  dnnl_memory_t m = nullptr;
-  Mem() = default;
-  Mem(const memory::desc& md, void* handle) {
-    const dnnl_status_t st = dnnl_memory_create(&m, &md.data, Engine().get(), handle);
-    SS_CHECK(st == dnnl_success, "oneDNN memory creation failed with status ", static_cast<int>(st));
-  }
-  Mem(const Mem&) = delete;
-  Mem(Mem&& o) noexcept : m(o.m) { o.m = nullptr; }
-  Mem& operator=(Mem&& o) noexcept {
-    std::swap(m, o.m);
-    return *this;
-  }
-  ~Mem() {
-    if (m) dnnl_memory_destroy(m);
-  }
-};
-
-// A memory object over a fixed descriptor whose storage may move: made at the first Bind, re-pointed
-// (dnnl_memory_set_data_handle) only when the address differs from the last one.
-struct BoundMem {
-  Mem mem;
-  void* handle = nullptr;
-  dnnl_memory_t Bind(const memory::desc& md, void* h) {
-    if (!mem.m) {
-      mem = Mem(md, h);
-    } else if (h != handle) {
-      const dnnl_status_t st = dnnl_memory_set_data_handle(mem.m, h);
-      SS_CHECK(st == dnnl_success, "oneDNN set_data_handle failed with status ", static_cast<int>(st));
-    }
-    handle = h;
-    return mem.m;
-  }
-};
-
 // A oneDNN stream made by the calling thread (a TBB worker that runs a block then makes nothing).
 struct Stream {
   dnnl_stream_t s = nullptr;
@@ -127,12 +90,12 @@ struct Stream {
 // The memory objects of one block index: the operands as the step holds them and as the primitive
 // reads them, and the scratchpad; and the block's stream.
 struct BlockMems {
-  BoundMem user[3], prim[3], scratch;
+  BoundDnnlMem user[3], prim[3], scratch;
   Stream stream;
 };
 // The reorder of the shared weights, per block kind.
 struct WeightMems {
-  BoundMem from, to, scratch;
+  BoundDnnlMem from, to, scratch;
 };
 struct KernelMems {
   std::vector<BlockMems> blocks;  // per block index of a call

@@ -4,7 +4,9 @@
 
 #include <dlfcn.h>
 #include <dnnl.h>
+#include <tbb/info.h>
 #include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <array>
@@ -14,6 +16,7 @@
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "ir/error.h"
@@ -121,6 +124,26 @@ thread_local int inside_execute = 0;
 
 bool InsideDnnlExecute() { return inside_execute > 0; }
 
+DnnlMem::DnnlMem(const dnnl::memory::desc& md, void* handle) {
+  const dnnl_status_t st = dnnl_memory_create(&m_, &md.data, DnnlEngine().get(), handle);
+  SS_CHECK(st == dnnl_success, "oneDNN memory creation failed with status ", static_cast<int>(st));
+}
+
+DnnlMem::~DnnlMem() {
+  if (m_) dnnl_memory_destroy(m_);
+}
+
+dnnl_memory_t BoundDnnlMem::Bind(const dnnl::memory::desc& md, void* handle) {
+  if (!mem_.get()) {
+    mem_ = DnnlMem(md, handle);
+  } else if (handle != handle_) {
+    const dnnl_status_t st = dnnl_memory_set_data_handle(mem_.get(), handle);
+    SS_CHECK(st == dnnl_success, "oneDNN set_data_handle failed with status ", static_cast<int>(st));
+  }
+  handle_ = handle;
+  return mem_.get();
+}
+
 void DnnlExecute(const_dnnl_primitive_t p, int nargs, const dnnl_exec_arg_t* args, const char* what,
                  dnnl_stream_t stream) {
   ++inside_execute;
@@ -139,6 +162,7 @@ struct Bf16Matmul {
   dnnl::memory::desc a, b, c;
   dnnl::matmul prim;
   size_t scratch = 0;
+  dnnl::memory::desc scratch_md;  // bytes, when scratch > 0
 };
 
 std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
@@ -159,6 +183,8 @@ std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p->a, p->b, p->c), attr, Engine());
     p->prim = dnnl::matmul(pd);
     p->scratch = pd.scratchpad_desc().get_size();
+    p->scratch_md = memory::desc({static_cast<int64_t>(std::max<size_t>(p->scratch, 1))}, memory::data_type::u8,
+                                 memory::format_tag::a);
   } catch (const dnnl::error& e) {
     throw Error(Str("oneDNN refused the bf16 matmul ", m, "x", n, "x", k, " (transpose ", ta, tb, "): ", e.what()));
   }
@@ -197,13 +223,6 @@ struct OperandsScope {
 thread_local std::vector<std::unique_ptr<Bf16Operands>> OperandsScope::stack;
 thread_local size_t OperandsScope::depth = 0;
 
-// Per thread, 64-byte aligned, grown only: oneDNN's scratchpad for one block (no waits inside a block).
-char* Scratch(size_t bytes) {
-  thread_local std::vector<char> v;
-  if (v.size() < bytes + 64) v.resize(bytes + 64);
-  const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
-  return v.data() + (64 - p % 64) % 64;
-}
 
 }  // namespace
 
@@ -234,27 +253,59 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   // output element is one oneDNN call's either way; the split depends on the shapes only.
   const bool by_columns = m < n;
   const auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
+  // The primitives of the full blocks and of the last one (smaller when the span does not divide),
+  // looked up once per call, not per block.
+  const int64_t len = by_columns ? n : m, last = len - (blocks - 1) * span;
+  auto primitive = [&](int64_t extent) {
+    return by_columns ? Bf16Primitive(ta, tb, m, extent, k, lda, ldb, n) : Bf16Primitive(ta, tb, extent, n, k, lda, ldb, n);
+  };
+  const std::shared_ptr<const Bf16Matmul> full = primitive(std::min(span, len)), tail = last == span ? full : primitive(last);
+  // The calling (replica) thread's memory objects and scratchpads for these primitives, one set per TBB
+  // thread slot, all made at the thread's first call: a worker's first task then makes nothing, and each
+  // block re-points its slot's objects at its operands.
+  struct SlotMems {
+    BoundDnnlMem a, b, c, scratch;
+    std::vector<char> scratch_buf;
+    char* ScratchPtr() {
+      const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_buf.data());
+      return scratch_buf.data() + (64 - p % 64) % 64;
+    }
+  };
+  thread_local std::unordered_map<const Bf16Matmul*, std::vector<SlotMems>> mems_of;
+  auto slots_of = [&](const Bf16Matmul& p) -> std::vector<SlotMems>& {
+    std::vector<SlotMems>& v = mems_of[&p];  // a reference into an unordered_map survives its rehashes
+    if (v.empty()) {
+      v.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
+      for (SlotMems& slot : v) {
+        slot.scratch_buf.resize(p.scratch + 64);
+        slot.a.Bind(p.a, const_cast<uint16_t*>(ha));
+        slot.b.Bind(p.b, const_cast<uint16_t*>(hb));
+        slot.c.Bind(p.c, c);
+        if (p.scratch > 0) slot.scratch.Bind(p.scratch_md, slot.ScratchPtr());
+      }
+    }
+    return v;
+  };
+  std::vector<SlotMems>& full_slots = slots_of(*full);
+  std::vector<SlotMems>& tail_slots = slots_of(*tail);
   auto run = [&](int64_t task) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
-    const int64_t bt = task / blocks, first = (task % blocks) * span;
-    const int64_t rows = by_columns ? m : std::min(span, m - first), cols = by_columns ? std::min(span, n - first) : n;
+    const int64_t bt = task / blocks, blk = task % blocks, first = blk * span;
     const int64_t r0 = by_columns ? 0 : first, c0 = by_columns ? first : 0;
-    const auto p = Bf16Primitive(ta, tb, rows, cols, k, lda, ldb, n);
+    const bool is_tail = blk == blocks - 1;
+    const Bf16Matmul& p = is_tail ? *tail : *full;
+    std::vector<SlotMems>& slots = is_tail ? tail_slots : full_slots;
+    const int index = std::max(0, tbb::this_task_arena::current_thread_index());
+    SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond the bf16 matmul's ", slots.size());
+    SlotMems& mm = slots[index];
     // oneDNN reads the operands only; its handles are non-const.
-    const dnnl::memory ma(p->a, Engine(), const_cast<uint16_t*>(ha + bt * sa + (ta ? r0 : r0 * lda)));
-    const dnnl::memory mbm(p->b, Engine(), const_cast<uint16_t*>(hb + bt * sb + (tb ? c0 * ldb : c0)));
-    const dnnl::memory mc(p->c, Engine(), c + bt * m * n + r0 * n + c0);
-    dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, ma.get()}, {DNNL_ARG_WEIGHTS, mbm.get()}, {DNNL_ARG_DST, mc.get()},
-                              {DNNL_ARG_SCRATCHPAD, nullptr}};
-    dnnl::memory ms;
-    if (p->scratch > 0) {
-      ms = dnnl::memory(dnnl::memory::desc({static_cast<int64_t>(p->scratch)}, dnnl::memory::data_type::u8,
-                                           dnnl::memory::format_tag::a),
-                        Engine(), Scratch(p->scratch));
-      args[3].memory = ms.get();
-    }
-    DnnlExecute(p->prim.get(), p->scratch > 0 ? 4 : 3, args, "bf16 matmul");
+    dnnl_exec_arg_t args[] = {
+        {DNNL_ARG_SRC, mm.a.Bind(p.a, const_cast<uint16_t*>(ha + bt * sa + (ta ? r0 : r0 * lda)))},
+        {DNNL_ARG_WEIGHTS, mm.b.Bind(p.b, const_cast<uint16_t*>(hb + bt * sb + (tb ? c0 * ldb : c0)))},
+        {DNNL_ARG_DST, mm.c.Bind(p.c, c + bt * m * n + r0 * n + c0)},
+        {DNNL_ARG_SCRATCHPAD, p.scratch > 0 ? mm.scratch.Bind(p.scratch_md, mm.ScratchPtr()) : nullptr}};
+    DnnlExecute(p.prim.get(), p.scratch > 0 ? 4 : 3, args, "bf16 matmul");
   };
   if (batches * blocks == 1) {
     run(0);

@@ -1,6 +1,7 @@
 // The executor path users run (CpuExecutor::Step) allocates nothing in a step after warm-up except
 // the outputs it returns, for every built-in model at N = 1 and at N = 4 (replicated and with the
-// weight update sharded). Global operator new is replaced by a counting one in this executable.
+// weight update sharded), in f32 and with bf16 matmuls and convolutions (oneDNN's bf16 matmul: the
+// memory objects are kept per thread and primitive, re-pointed at each call's operands). Global operator new is replaced by a counting one in this executable.
 //
 // What a step may allocate: the returned TensorMap, i.e. per output one map node, its shape vector
 // (when rank > 0) and its storage (when non-empty): at most 3 allocations per output, and exactly
@@ -31,7 +32,7 @@ using runtime::TensorMap;
 namespace {
 
 // Small configurations of each built-in model (a global batch of 8: 2 examples per replica at N = 4).
-dsl::Program Build(const std::string& model, int replicas, bool shard) {
+dsl::Program Build(const std::string& model, int replicas, bool shard, const std::string& precision = "f32") {
   models::ModelOptions o;
   o.batch = 8;
   if (model == "mlp") o.hidden = {64, 32};
@@ -41,7 +42,12 @@ dsl::Program Build(const std::string& model, int replicas, bool shard) {
   }
   dsl::Model m(model, /*seed=*/2);
   dsl::Tensor loss = models::FindModel(model).define(m, o);
-  return m.train(loss).optimizer(dsl::Adam().lr(1e-3)).replicas(replicas).shard_weight_update(shard).build();
+  return m.train(loss)
+      .optimizer(dsl::Adam().lr(1e-3))
+      .replicas(replicas)
+      .shard_weight_update(shard)
+      .precision(precision)
+      .build();
 }
 
 // The global batch for the step module's inputs (dimension 0 times the replicas): f32 in [-1, 1),
@@ -65,17 +71,18 @@ TensorMap Inputs(const ir::Module& step, int step_index) {
 
 }  // namespace
 
-TEST_CASE("a CpuExecutor step after warm-up allocates only its returned outputs, every model, N = 1 and 4",
+TEST_CASE("a CpuExecutor step after warm-up allocates only its returned outputs, every model, N = 1 and 4, f32 and bf16",
           "[jit][buffers][replicas]") {
   const std::string model =
       GENERATE(std::string("mlp"), std::string("cnn"), std::string("resnet20"), std::string("transformer_lm"),
                std::string("bert"));
   const auto [replicas, shard] = GENERATE(std::make_pair(1, false), std::make_pair(4, false), std::make_pair(4, true));
-  INFO("model " << model << ", N = " << replicas << (shard ? " sharded" : " replicated"));
+  const std::string precision = GENERATE(std::string("f32"), std::string("bf16"));
+  INFO("model " << model << ", N = " << replicas << (shard ? " sharded" : " replicated") << ", " << precision);
   // Under ASan nothing is counted: the MLP and the CNN still run the executor's reused outputs under its
   // checks; the larger models' steps (minutes to compile there) are covered by their own tests.
   if (!kCountingAllocations && model != "mlp" && model != "cnn") return;
-  const dsl::Program p = Build(model, replicas, shard);
+  const dsl::Program p = Build(model, replicas, shard, precision);
   auto exec = jit::MakeCpuExecutor(p.step, runtime::InitLogicalState(p.step));
   const TensorMap in0 = Inputs(p.step, 0), in1 = Inputs(p.step, 1);
   float before = 0;
@@ -98,9 +105,9 @@ TEST_CASE("a CpuExecutor step after warm-up allocates only its returned outputs,
     large_outputs += t.bytes() >= static_cast<int64_t>(kLarge);
   }
   if (std::getenv("SS_ALLOC_VERBOSE"))
-    std::printf("%-15s N=%d %-10s: %lld allocations (%lld bytes, %lld >= %zu bytes); outputs %zu, allowed %lld; "
+    std::printf("%-15s N=%d %-10s %s: %lld allocations (%lld bytes, %lld >= %zu bytes); outputs %zu, allowed %lld; "
                 "inside oneDNN's execute %lld\n",
-                model.c_str(), replicas, shard ? "sharded" : "replicated", static_cast<long long>(allocs),
+                model.c_str(), replicas, shard ? "sharded" : "replicated", precision.c_str(), static_cast<long long>(allocs),
                 static_cast<long long>(bytes), static_cast<long long>(large), kLarge, out.size(),
                 static_cast<long long>(allowed), static_cast<long long>(library));
   INFO("counted step: " << allocs << " allocations, " << bytes << " bytes, " << large << " of >= " << kLarge
