@@ -151,8 +151,19 @@ ImageData MakeImageData(const ImageDataOptions& o) {
     train = std::make_shared<Dataset>(LoadFashionMnist(o.data_dir, true));
     test = std::make_shared<Dataset>(LoadFashionMnist(o.data_dir, false));
   } else if (o.dataset == "synthetic") {
-    // One distribution, split into train and test.
-    Dataset all = SyntheticClassification(kSyntheticSize, 1, 28, 28, 10, o.seed);
+    // One distribution, split into train and test: 1x28x28 images (Fashion-MNIST's), or the model's
+    // own [C, H, W] when it takes another size (resnet20 --image-size 32) and that stays small; large
+    // images are synthetic-imagenet's, made per batch.
+    ir::Shape shape{1, 28, 28};
+    if (o.example_shape.size() == 3 && ir::NumElements(o.example_shape) != 28 * 28) {
+      if (ir::NumElements(o.example_shape) > kSyntheticMaxElements)
+        throw Error(Str("--dataset synthetic holds its ", kSyntheticSize, " images in memory, up to ", kSyntheticMaxElements,
+                        " values each; the model takes ", ir::ShapeToString(o.example_shape),
+                        ": use --dataset synthetic-imagenet (images made per batch)"));
+      shape = o.example_shape;
+    }
+    Dataset all = SyntheticClassification(kSyntheticSize, static_cast<int>(shape[0]), static_cast<int>(shape[1]),
+                                          static_cast<int>(shape[2]), 10, o.seed);
     train = std::make_shared<Dataset>(TakeExamples(all, 0, kSyntheticTrainSize));
     test = std::make_shared<Dataset>(TakeExamples(all, kSyntheticTrainSize, kSyntheticSize));
   } else {

@@ -75,6 +75,8 @@ struct ImageData {
 // Examples in each split, known before anything is loaded.
 inline constexpr int64_t kFashionTrainSize = 60000, kFashionTestSize = 10000;
 inline constexpr int64_t kSyntheticSize = 10000, kSyntheticTrainSize = 8000;
+// --dataset synthetic: the most values per example it makes (else synthetic-imagenet's per-batch images).
+inline constexpr int64_t kSyntheticMaxElements = 3 * 32 * 32;
 inline constexpr int64_t kSyntheticImagenetTrainSize = 1281167;  // one "epoch", as ImageNet-1k's train split
 
 ImageData MakeImageData(const ImageDataOptions& o);

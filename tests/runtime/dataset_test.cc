@@ -368,3 +368,22 @@ TEST_CASE("image sources: Fashion-MNIST-style sets wrap BatchIterator; the eval 
   o.dataset = "kjv";
   CHECK_THROWS_WITH(MakeImageData(o), Contains("not an image dataset"));
 }
+
+TEST_CASE("image sources: synthetic makes the model's small image size, and names synthetic-imagenet for large ones") {
+  ImageDataOptions o;
+  o.dataset = "synthetic";
+  o.batch = 4;
+  o.eval_batch = 1000;
+  TensorMap x;
+  o.example_shape = {784};  // the MLP's flattened Fashion-MNIST-sized examples
+  MakeImageData(o).train->Next(&x);
+  CHECK(x.at("image").shape() == ir::Shape{4, 784});
+  o.example_shape = {1, 32, 32};  // resnet20 --image-size 32
+  ImageData d = MakeImageData(o);
+  d.train->Next(&x);
+  CHECK(x.at("image").shape() == ir::Shape{4, 1, 32, 32});
+  for (float v : x.at("image").f32) REQUIRE(std::isfinite(v));
+  CHECK(d.eval->num_batches() == 2);
+  o.example_shape = {3, 64, 64};
+  CHECK_THROWS_WITH(MakeImageData(o), Contains("[3,64,64]") && Contains("synthetic-imagenet"));
+}
