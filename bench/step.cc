@@ -810,6 +810,39 @@ void GemmCompare() {
             << "); as the step runs them: ParallelSgemm " << t_split * 1e3 << ", ParallelBf16Matmul (with conversion) "
             << t_split_bf16 * 1e3 << " (ratio " << t_split_bf16 / t_split << "), on operands stored as bf16 (the step's "
             << "way) " << t_inplace * 1e3 << " (ratio " << t_inplace / t_split << ")\n";
+
+  // transformer_lm's attention products: 128 (batch 32 x 4 heads) small products per op, as the step
+  // runs them: f32 (a TBB task per product, jit/native_ops.cc BatchedMatmul), bf16 on stored bf16
+  // operands (ParallelBf16Matmul: several products per oneDNN call), and bf16 one product per call.
+  const std::vector<G> attention = {{false, true, 128, 128, 32},   // scores Q K^T
+                                    {false, false, 128, 32, 128},  // A V
+                                    {true, false, 128, 32, 128},   // dV = A^T dO
+                                    {false, true, 128, 128, 32}};  // dA = dO V^T
+  const int64_t batches = 128;
+  double t_f32 = 0, t_grouped = 0, t_single = 0;
+  for (const G& g : attention) {
+    const int64_t lda = g.ta ? g.m : g.k, ldb = g.tb ? g.k : g.n, sa = g.m * g.k, sb = g.k * g.n, sc = g.m * g.n;
+    std::vector<float> a(batches * sa, 0.5f), b(batches * sb, 0.25f), c(batches * sc);
+    std::vector<uint16_t> ha(a.size(), 0x3f00), hb(b.size(), 0x3e80);
+    t_f32 += time([&] {
+      tbb::parallel_for(int64_t{0}, batches, [&](int64_t bt) {
+        jit::ParallelSgemm(g.ta, g.tb, g.m, g.n, g.k, a.data() + bt * sa, lda, b.data() + bt * sb, ldb, c.data() + bt * sc);
+      });
+    });
+    t_grouped += time([&] {
+      jit::ParallelBf16Matmul(g.ta, g.tb, batches, g.m, g.n, g.k, ha.data(), lda, sa, hb.data(), ldb, sb, c.data());
+    });
+    t_single += time([&] {
+      tbb::parallel_for(int64_t{0}, batches, [&](int64_t bt) {
+        jit::ParallelBf16Matmul(g.ta, g.tb, 1, g.m, g.n, g.k, ha.data() + bt * sa, lda, sa, hb.data() + bt * sb, ldb, sb,
+                                c.data() + bt * sc);
+      });
+    });
+  }
+  std::cout << "transformer_lm's attention products (4 ops of 128 products), ms per set (medians of 20), as the step "
+            << "runs them: f32 " << t_f32 * 1e3 << ", bf16 " << t_grouped * 1e3 << " (ratio " << t_grouped / t_f32
+            << "); bf16 one product per oneDNN call " << t_single * 1e3 << " (grouped / single " << t_grouped / t_single
+            << ")\n";
 }
 
 int PrecisionCompare(int rounds) {

@@ -165,18 +165,27 @@ struct Bf16Matmul {
   dnnl::memory::desc scratch_md;  // bytes, when scratch > 0
 };
 
+// One call's product, or `group` > 1 products of a batch at once (a 3D primitive: batch strides sa, sb
+// and m * n), which saves oneDNN's per-call cost on attention's small products.
 std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int64_t n, int64_t k, int64_t lda,
-                                                int64_t ldb, int64_t ldc) {
+                                                int64_t ldb, int64_t ldc, int64_t group = 1, int64_t sa = 0,
+                                                int64_t sb = 0) {
   using dnnl::memory;
   static std::mutex mu;
-  static std::map<std::array<int64_t, 8>, std::shared_ptr<const Bf16Matmul>> cache;
-  const std::array<int64_t, 8> key{ta, tb, m, n, k, lda, ldb, ldc};
+  static std::map<std::array<int64_t, 11>, std::shared_ptr<const Bf16Matmul>> cache;
+  const std::array<int64_t, 11> key{ta, tb, m, n, k, lda, ldb, ldc, group, group > 1 ? sa : 0, group > 1 ? sb : 0};
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = cache.find(key); it != cache.end()) return it->second;
   auto p = std::make_shared<Bf16Matmul>();
-  p->a = memory::desc({m, k}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
-  p->b = memory::desc({k, n}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
-  p->c = memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+  if (group == 1) {
+    p->a = memory::desc({m, k}, memory::data_type::bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
+    p->b = memory::desc({k, n}, memory::data_type::bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
+    p->c = memory::desc({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+  } else {
+    p->a = memory::desc({group, m, k}, memory::data_type::bf16, ta ? memory::dims{sa, 1, lda} : memory::dims{sa, lda, 1});
+    p->b = memory::desc({group, k, n}, memory::data_type::bf16, tb ? memory::dims{sb, 1, ldb} : memory::dims{sb, ldb, 1});
+    p->c = memory::desc({group, m, n}, memory::data_type::f32, memory::dims{m * ldc, ldc, 1});
+  }
   try {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -253,11 +262,21 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   // output element is one oneDNN call's either way; the split depends on the shapes only.
   const bool by_columns = m < n;
   const auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
+  // Small products of a batch (one block each: attention's) go `group` at a time, the largest divisor
+  // of the batch count with at most about 4M multiply-adds per call; it depends on the shapes only.
+  int64_t group = 1;
+  if (blocks == 1 && batches > 1)
+    for (int64_t g = std::min<int64_t>(batches, std::max<int64_t>(1, (int64_t{1} << 22) / (m * n * k))); g > 1; --g)
+      if (batches % g == 0) {
+        group = g;
+        break;
+      }
   // The primitives of the full blocks and of the last one (smaller when the span does not divide),
   // looked up once per call, not per block.
   const int64_t len = by_columns ? n : m, last = len - (blocks - 1) * span;
   auto primitive = [&](int64_t extent) {
-    return by_columns ? Bf16Primitive(ta, tb, m, extent, k, lda, ldb, n) : Bf16Primitive(ta, tb, extent, n, k, lda, ldb, n);
+    return by_columns ? Bf16Primitive(ta, tb, m, extent, k, lda, ldb, n, group, sa, sb)
+                      : Bf16Primitive(ta, tb, extent, n, k, lda, ldb, n, group, sa, sb);
   };
   const std::shared_ptr<const Bf16Matmul> full = primitive(std::min(span, len)), tail = last == span ? full : primitive(last);
   // The calling (replica) thread's memory objects and scratchpads for these primitives, one set per TBB
@@ -291,7 +310,7 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   auto run = [&](int64_t task) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
-    const int64_t bt = task / blocks, blk = task % blocks, first = blk * span;
+    const int64_t bt = task / blocks * group, blk = task % blocks, first = blk * span;
     const int64_t r0 = by_columns ? 0 : first, c0 = by_columns ? first : 0;
     const bool is_tail = blk == blocks - 1;
     const Bf16Matmul& p = is_tail ? *tail : *full;
@@ -307,11 +326,12 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
         {DNNL_ARG_SCRATCHPAD, p.scratch > 0 ? mm.scratch.Bind(p.scratch_md, mm.ScratchPtr()) : nullptr}};
     DnnlExecute(p.prim.get(), p.scratch > 0 ? 4 : 3, args, "bf16 matmul");
   };
-  if (batches * blocks == 1) {
+  const int64_t tasks = batches / group * blocks;
+  if (tasks == 1) {
     run(0);
     return;
   }
-  tbb::parallel_for(int64_t{0}, batches * blocks, run);
+  tbb::parallel_for(int64_t{0}, tasks, run);
 }
 
 void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
