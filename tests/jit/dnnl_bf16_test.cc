@@ -83,23 +83,20 @@ TEST_CASE("bf16 matmul: the same bits across calls and thread counts") {
 // it has alone, whatever the threads.
 TEST_CASE("bf16 matmul: a batch's small products grouped per call give each product's own bits") {
   jit::ConfigureThreadsForReplica(1);
-  for (int t = 0; t < 4; ++t) {
-    const bool ta = t & 1, tb = t & 2;
-    const int64_t batches = 12, m = 40, n = 24, k = 16;
-    const auto a = Bf16Values(batches * m * k, 9), b = Bf16Values(batches * k * n, 10);
-    const auto all = Run(ta, tb, batches, m, n, k, a, b);
-    std::vector<float> alone;
-    for (int64_t bt = 0; bt < batches; ++bt) {
-      const std::vector<float> ab(a.begin() + bt * m * k, a.begin() + (bt + 1) * m * k);
-      const std::vector<float> bb(b.begin() + bt * k * n, b.begin() + (bt + 1) * k * n);
-      const auto c = Run(ta, tb, 1, m, n, k, ab, bb);
-      alone.insert(alone.end(), c.begin(), c.end());
-    }
-    INFO("ta " << ta << " tb " << tb);
-    CHECK(all == alone);
-    tbb::global_control one(tbb::global_control::max_allowed_parallelism, 1);
-    CHECK(Run(ta, tb, batches, m, n, k, a, b) == all);
+  const bool ta = GENERATE(false, true), tb = GENERATE(false, true);
+  INFO("ta " << ta << " tb " << tb);
+  const int64_t batches = 12, m = 40, n = 24, k = 16;  // 12 products in one call
+  const auto a = Bf16Values(batches * m * k, 9), b = Bf16Values(batches * k * n, 10);
+  const auto all = Run(ta, tb, batches, m, n, k, a, b);
+  std::vector<float> alone;
+  for (int64_t bt = 0; bt < batches; ++bt) {
+    const auto c = Run(ta, tb, 1, m, n, k, {a.begin() + bt * m * k, a.begin() + (bt + 1) * m * k},
+                       {b.begin() + bt * k * n, b.begin() + (bt + 1) * k * n});
+    alone.insert(alone.end(), c.begin(), c.end());
   }
+  CHECK(all == alone);
+  tbb::global_control one(tbb::global_control::max_allowed_parallelism, 1);
+  CHECK(Run(ta, tb, batches, m, n, k, a, b) == all);
 }
 
 TEST_CASE("bf16 matmul: operands stored as bf16 give the bits of the same values stored as f32") {
