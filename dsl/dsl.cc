@@ -381,6 +381,7 @@ static Tensor UnaryStep(const Tensor& x, Model* m, OpCode op, Loc loc) {
 Tensor Tensor::relu(Loc loc) const { return UnaryStep(*this, m_, OpCode::kRelu, loc); }
 Tensor Tensor::tanh(Loc loc) const { return UnaryStep(*this, m_, OpCode::kTanh, loc); }
 Tensor Tensor::sigmoid(Loc loc) const { return UnaryStep(*this, m_, OpCode::kSigmoid, loc); }
+Tensor Tensor::stop_gradient(Loc loc) const { return UnaryStep(*this, m_, OpCode::kStopGradient, loc); }
 
 Tensor Tensor::gelu(Loc loc) const {
   Tensor x = *this;
@@ -654,7 +655,7 @@ Tensor Tensor::batch_norm(const std::string& name, BatchNormOptions o, Loc loc) 
       throw Error(Str("momentum ", o.momentum, " must be in [0, 1] and eps ", o.eps, " positive"));
     const IntList axes = s.size() == 2 ? IntList{0} : IntList{0, 2, 3};
     auto per_channel = [&](ValueId t) { return b.Broadcast(t, s, {1}); };
-    ValueId mean, var;
+    ValueId mean, var, centered = kNoValue, held_mean = kNoValue;
     if (!L.training()) {
       mean = L[rmean];
       var = L[rvar];
@@ -666,7 +667,13 @@ Tensor Tensor::batch_norm(const std::string& name, BatchNormOptions o, Loc loc) 
       // Equal per-replica counts: the group's mean is the mean of the replicas' means.
       auto reduce = [&](ValueId t) { return cross ? L.b->AllReduce(t, "mean", bn_groups) : t; };
       mean = reduce(b.ReduceMean(v, axes));
-      ValueId centered = b.Sub(v, per_channel(mean));
+      // x - mean is computed once, from a mean held out of autodiff (stop_gradient), and the mean's own
+      // gradient comes back through `held_mean - mean` below (0 in value). So the backward pass reads one
+      // saved x - mean, and skips the variance's dependence on the mean, d var / d mean = -2 mean(x -
+      // mean): exactly zero, but autodiff would spend a pass over x on it (torch's formula leaves it out
+      // too). Batch norm's backward is then two passes over x, not three.
+      held_mean = b.Unary(OpCode::kStopGradient, mean);
+      centered = b.Sub(v, per_channel(held_mean));
       var = reduce(b.ReduceMean(b.Mul(centered, centered), axes));
       // Running statistics (torch): unbiased variance; per-replica statistics are averaged over the
       // group so every replica keeps the same running values.
@@ -687,8 +694,11 @@ Tensor Tensor::batch_norm(const std::string& name, BatchNormOptions o, Loc loc) 
       update(L[rvar], unbiased);
     }
     ValueId inv = b.Unary(OpCode::kRsqrt, b.AddScalar(var, o.eps));
-    ValueId y = b.Mul(b.Sub(v, per_channel(mean)), per_channel(b.Mul(inv, L[gamma])));
-    return b.Add(y, per_channel(L[beta]));
+    ValueId scale = b.Mul(inv, L[gamma]);
+    if (centered == kNoValue) return b.Add(b.Mul(b.Sub(v, per_channel(mean)), per_channel(scale)), per_channel(L[beta]));
+    // (x - held_mean) scale + beta + (held_mean - mean) scale: the last term is 0 and carries d/d mean.
+    ValueId shift = b.Add(L[beta], b.Mul(b.Sub(held_mean, mean), scale));
+    return b.Add(b.Mul(centered, per_channel(scale)), per_channel(shift));
   });
 }
 

@@ -102,6 +102,8 @@ class Tensor {
   Tensor log(Loc loc = Loc::current()) const;
   Tensor sqrt(Loc loc = Loc::current()) const;
   Tensor rsqrt(Loc loc = Loc::current()) const;
+  // The same values; no gradient flows back through it (torch's detach).
+  Tensor stop_gradient(Loc loc = Loc::current()) const;
   Tensor softmax(int64_t axis = -1, Loc loc = Loc::current()) const;      // max-subtracted
   Tensor log_softmax(int64_t axis = -1, Loc loc = Loc::current()) const;  // x - max - log sum exp(x - max)
 

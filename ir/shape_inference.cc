@@ -166,6 +166,7 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
 
     case OpCode::kNeg:
     case OpCode::kAbs:
+    case OpCode::kStopGradient:
       return in[0];
     case OpCode::kExp:
     case OpCode::kLog:

@@ -333,6 +333,7 @@ class Emitter {
       case OpCode::kAbs:
         if (f) return Intrinsic(b, llvm::Intrinsic::fabs, x[0]);
         return b.CreateSelect(b.CreateICmpSLT(x[0], zero), b.CreateSub(zero, x[0]), x[0]);
+      case OpCode::kStopGradient: return x[0];
       case OpCode::kConvert: {
         const DType to = in.type.dtype;
         if (f && to == DType::kS32)

@@ -669,6 +669,7 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kRelu: return Map<float>(in.type, [](float a) { return a > 0.0f || a != a ? a : 0.0f; }, *x[0]);
     case OpCode::kAbs: return MapAny(in, [](auto a) { return AbsOf(a); }, *x[0]);
     case OpCode::kConvert: return Convert(in, *x[0]);
+    case OpCode::kStopGradient: return *x[0];
 
     case OpCode::kAdd: return MapAny(in, [](auto a, auto b) { return AddOf(a, b); }, *x[0], *x[1]);
     case OpCode::kSub: return MapAny(in, [](auto a, auto b) { return SubOf(a, b); }, *x[0], *x[1]);

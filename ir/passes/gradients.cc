@@ -113,6 +113,9 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     case OpCode::kConvert:
       if (b.type(o[0]).dtype == DType::kF32 && in.type.dtype == DType::kF32) return {dz};
       return none;
+    // z = x / none: the point of the op
+    case OpCode::kStopGradient:
+      return none;
 
     // z = x + y / dx = dz, dy = dz
     case OpCode::kAdd:

@@ -51,6 +51,7 @@ ValueId BuildOp(Builder& b, OpCode op) {
     case OpCode::kTanh:
     case OpCode::kSigmoid:
     case OpCode::kRelu:
+    case OpCode::kStopGradient:
     case OpCode::kAbs: return b.Unary(op, In(b, f23));
     case OpCode::kConvert: return b.Convert(In(b, f23), DType::kS32);
     case OpCode::kAdd:

@@ -240,6 +240,7 @@ std::vector<Case> CasesFor(OpCode op) {
       break;
     case OpCode::kNeg:
     case OpCode::kAbs:
+    case OpCode::kStopGradient:
       unary(DType::kF32, Dist::kUniform);
       unary(DType::kF32, Dist::kGrid);  // zeros: neg(0) = -0 bitwise
       unary(DType::kS32, Dist::kGrid);
@@ -751,6 +752,8 @@ std::vector<Special> Specials() {
   // f32 unary.
   e("neg", OpCode::kNeg, {Fv({0.f, -0.f, kInf, -kInf, kNaN, 1.5f})}, Fv({-0.f, 0.f, -kInf, kInf, kNaN, -1.5f}));
   e("abs", OpCode::kAbs, {Fv({-0.f, -kInf, kInf, kNaN, -2.5f, -sub})}, Fv({0.f, kInf, kInf, kNaN, 2.5f, sub}));
+  e("stop_gradient", OpCode::kStopGradient, {Fv({-0.f, 0.f, kInf, -kInf, kNaN, -2.5f, sub})},
+    Fv({-0.f, 0.f, kInf, -kInf, kNaN, -2.5f, sub}));
   e("relu", OpCode::kRelu, {Fv({-0.f, kNaN, -kInf, kInf, -1.f, 2.f, sub, -sub})},
     Fv({0.f, kNaN, 0.f, kInf, 0.f, 2.f, sub, 0.f}));
   e("exp", OpCode::kExp, {Fv({-kInf, kInf, kNaN, 0.f, -0.f, 100.f, -200.f})}, Fv({0.f, kInf, kNaN, 1.f, 1.f, kInf, 0.f}));
@@ -1025,7 +1028,7 @@ TEST_CASE("specials: NaN, infinities, signed zeros, saturation and wrapping matc
   // Every op that computes values has special cases, except pure data movement checked bitwise by the
   // value cases, one_hot (no float input) and the collectives (one shared implementation).
   for (OpCode op : {OpCode::kNeg, OpCode::kExp, OpCode::kLog, OpCode::kSqrt, OpCode::kRsqrt, OpCode::kTanh, OpCode::kSin,
-                    OpCode::kCos, OpCode::kSigmoid, OpCode::kRelu, OpCode::kAbs, OpCode::kConvert, OpCode::kAdd,
+                    OpCode::kCos, OpCode::kSigmoid, OpCode::kRelu, OpCode::kAbs, OpCode::kStopGradient, OpCode::kConvert, OpCode::kAdd,
                     OpCode::kSub, OpCode::kMul, OpCode::kDiv, OpCode::kPow, OpCode::kMax, OpCode::kMin, OpCode::kEq,
                     OpCode::kNe, OpCode::kLt, OpCode::kLe, OpCode::kGt, OpCode::kGe, OpCode::kSelect,
                     OpCode::kReduceSum, OpCode::kReduceMax, OpCode::kReduceMean, OpCode::kMatmul, OpCode::kConv2d,

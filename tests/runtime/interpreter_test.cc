@@ -160,6 +160,11 @@ const std::map<OpCode, std::function<void()>>& Examples() {
          Expect(Apply(OpCode::kAbs, {F({3}, {-1.5f, 2, -0.0f})}), F({3}, {1.5f, 2, 0}));
          Expect(Apply(OpCode::kAbs, {S({2}, {-3, 4})}), S({2}, {3, 4}));
        }},
+      {OpCode::kStopGradient,
+       [] {
+         Expect(Apply(OpCode::kStopGradient, {F({3}, {-1.5f, -0.0f, kInf})}), F({3}, {-1.5f, -0.0f, kInf}));
+         Expect(Apply(OpCode::kStopGradient, {S({2}, {-3, kIntMax})}), S({2}, {-3, kIntMax}));
+       }},
       {OpCode::kConvert,
        [] {
          Expect(Apply(OpCode::kConvert, {F({5}, {1.7f, -1.7f, 2, kNaN, 3e9f})}, {{"dtype", std::string("s32")}}),

@@ -172,7 +172,11 @@ TEST_CASE("at a fixed per-core batch the speedup moves only by the sharded step'
   // The replicated step: its all-reduces hide under the backward and the update (to a few microseconds).
   CHECK(rep_large.step_s == Approx(rep_small.step_s).epsilon(1e-4));
   CHECK(rep_large.exposed_communication_s < 1e-4 * rep_large.step_s);
-  CHECK(sh_large.compute_s == Approx(sh_small.compute_s).epsilon(2e-3));
+  // The sharded step's forward and backward are the same on every mesh; its compute differs by the update
+  // of 1/N of the weights (about 0.2% of the step at 4x4: its share grew as the backward got leaner).
+  CHECK(sh_large.forward_s + sh_large.backward_s == Approx(sh_small.forward_s + sh_small.backward_s).epsilon(1e-4));
+  CHECK(sh_small.compute_s - sh_large.compute_s == Approx(sh_small.weight_update_s - sh_large.weight_update_s).epsilon(0.02));
+  CHECK(sh_large.weight_update_s < sh_small.weight_update_s);
   CHECK(rep_large.weight_update_s - sh_large.weight_update_s > 0.9 * rep_large.weight_update_s);
   CHECK(sh_large.exposed_communication_s > sh_small.exposed_communication_s);
   // The sharded step grows by its exposed communication, and by less than its interconnect's busy time does.

@@ -422,6 +422,24 @@ TEST_CASE("ops without gradients give no cotangent", "[autodiff]") {
   ValueId labels = b.Input("labels", {DType::kS32, {3}});
   ValueId oh = b.Emit(OpCode::kOneHot, {labels}, {{"depth", int64_t{4}}});
   CHECK(GradientRule(b, oh, b.ScalarLike(1.0, oh)) == std::vector<ValueId>{kNoValue});
+  ValueId sg = b.Unary(OpCode::kStopGradient, x);
+  CHECK(GradientRule(b, sg, b.ScalarLike(1.0, sg)) == std::vector<ValueId>{kNoValue});
+}
+
+// loss = sum(x * stop_gradient(x)^2): the value of x^3, the gradient x^2 (only the first factor's
+// path), where without the op it would be 3 x^2.
+TEST_CASE("autodiff sends no gradient through stop_gradient", "[autodiff]") {
+  Module m;
+  Builder b(&m);
+  ValueId x = b.Variable("x", {DType::kF32, {3}}, kRoleWeight);
+  ValueId held = b.Unary(OpCode::kStopGradient, x);
+  m.outputs.push_back({"loss", b.SumAll(b.Mul(x, b.Mul(held, held)))});
+  REQUIRE(Autodiff().Run(m));
+  const TensorMap variables{{"x", Tensor::F32({3}, {-2, 0.5f, 3})}};
+  std::vector<Tensor> values = runtime::EvaluateAll(m, variables, {});
+  CHECK(values[m.FindOutput("loss")].f32[0] == -8 + 0.125f + 27);
+  REQUIRE(m.gradients.size() == 1);
+  CHECK(values.at(m.gradients.begin()->second).f32 == std::vector<float>{4, 0.25f, 9});
 }
 
 // ---- An MLP-like composition: matmul + bias + relu + softmax cross-entropy from exp/log/reduce ----
