@@ -31,6 +31,7 @@ struct CompileInfo {
   int slice_views = 0;       // contiguous slices read in place (PlanViews)
   int packed_collectives = 0;  // combined collectives run on their parts, without concat or slice copies
   int winograd_convs = 0;      // convolutions (of any pass) on oneDNN's Winograd kernels (jit/dnnl_conv.h)
+  int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.

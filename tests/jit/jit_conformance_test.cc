@@ -30,6 +30,7 @@
 #include <tuple>
 
 #include "ir/builder.h"
+#include "ir/printer.h"
 #include "ir/error.h"
 #include "ir/shape_inference.h"
 #include "jit/compiled_step.h"
@@ -1311,6 +1312,50 @@ TEST_CASE("a gather of one row of a variable reads it in place and keeps the old
     TensorMap v2 = vars;
     CHECK_THROWS_WITH(JitStep(m, v2, bad), Catch::Contains("gather index 3 out of range [0,3)"));
   }
+}
+
+// Batch norm's shape: c = x - broadcast(mean) read by a loop before a matmul (its sum of squares) and by
+// one that needs the matmul's result. The later loop computes its own copy of c from x (RecomputeCheapValues), so no loop
+// writes c, and the results have the bits of the same module with the copy written by hand (the
+// interpreter's sum of squares within rounding).
+TEST_CASE("a cheap value read by loops on both sides of a matmul is recomputed, not written", "[jit]") {
+  const TensorMap vars{{"w", Random({DType::kF32, {32, 32}}, 7, Dist::kUniform)}};
+  const TensorMap inputs{{"x", Random({DType::kF32, {64, 32}}, 8, Dist::kUniform)}};
+  TensorMap got[2];
+  std::string printed[2];
+  for (bool by_hand : {false, true}) {
+    ir::Module m;
+    m.name = "recomputed";
+    ir::Builder b(&m);
+    const auto x = b.Input("x", {DType::kF32, {64, 32}});
+    const auto w = b.Variable("w", {DType::kF32, {32, 32}}, ir::kRoleWeight);
+    const auto mean = b.ReduceMean(x, {0});  // f32[32], in memory
+    auto centered = [&] { return b.Sub(x, b.Broadcast(mean, {64, 32}, {1})); };
+    const auto c = centered();
+    const auto s = b.ReduceSum(b.Mul(c, c), {0});  // the first reader
+    m.outputs.push_back({"s", s});
+    // The second reader needs s through a matmul: it cannot join the first reader's loop.
+    const auto k = b.Reshape(b.Matmul(b.Reshape(s, {1, 32}), w), {32});
+    m.outputs.push_back({"d", b.Mul(by_hand ? centered() : c, b.Broadcast(k, {64, 32}, {1}))});
+    auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+    INFO((by_hand ? "the copy written by hand" : "one c, two readers"));
+    INFO(ir::Print(step->module()));
+    printed[by_hand] = ir::Print(step->module());
+    if (!by_hand) CHECK(step->info().recomputed_values == 1);
+    int subs = 0;
+    for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+      if (step->module().at(v).op != OpCode::kSub) continue;
+      ++subs;
+      CHECK(step->arena_offset(v) < 0);  // in neither loop's output
+    }
+    CHECK(subs == 2);
+    TensorMap ref_vars = vars, got_vars = vars;
+    const TensorMap ref = RunStep(m, ref_vars, inputs);
+    got[by_hand] = JitStep(m, got_vars, inputs);
+    CHECK(Compare(ref.at("s"), got[by_hand].at("s"), Tolerance::Ulps(4)).ok);  // positive terms, f64 sums
+  }
+  CHECK(printed[0] == printed[1]);  // the JIT's module is the one written by hand
+  for (const char* k : {"s", "d"}) CHECK(got[0].at(k).f32 == got[1].at(k).f32);
 }
 
 // A contiguous slice (whole in every dimension but the first: the reduce-scatter's result cut into each
