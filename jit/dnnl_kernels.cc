@@ -202,6 +202,13 @@ std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int
 }
 
 
+// Whether oneDNN runs AMX kernels on this CPU (read once: the block rule below depends on it, so one
+// machine always computes the same bits).
+bool AmxBf16() {
+  static const bool amx = dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx;
+  return amx;
+}
+
 // Round to nearest even: exact (the top half) for the bf16 values this is meant for.
 void ToBf16(const float* x, int64_t count, uint16_t* y) {
   tbb::parallel_for(int64_t{0}, (count + (1 << 16) - 1) >> 16, [&](int64_t chunk) {
@@ -260,12 +267,22 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   // Blocks of rows, or of columns when the product is wider than tall (the MLP's batch-128 forward and
   // input-gradient products: row blocks would each read all of B, column blocks read B once). Each
   // output element is one oneDNN call's either way; the split depends on the shapes only.
-  const bool by_columns = m < n;
-  const auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
+  // With AMX, a transposed A (a weight gradient, A^T B) goes in at most 2 row blocks, each block's
+  // columns of the stored A copied dense first (k x rows, small): oneDNN 2.6 runs its AMX kernels only
+  // on dense operands, and the column blocks' strided B and C sent these products to its gemm:jit,
+  // 1.7-2x slower (bench/step --bf16, the MLP's 784x1024x128 and 1024x1024x128).
+  const bool dense_rows = ta && AmxBf16();
+  const bool by_columns = m < n && !dense_rows;
+  auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
+  if (dense_rows && blocks > 2) {
+    span = ((m + 1) / 2 + 7) / 8 * 8;
+    blocks = (m + span - 1) / span;
+  }
+  const bool copy_a = dense_rows && (blocks > 1 || lda != m);
   // Small products of a batch (one block each: attention's) go `group` at a time, the largest divisor
   // of the batch count with at most about 4M multiply-adds per call; it depends on the shapes only.
   int64_t group = 1;
-  if (blocks == 1 && batches > 1)
+  if (blocks == 1 && batches > 1 && !copy_a)
     for (int64_t g = std::min<int64_t>(batches, std::max<int64_t>(1, (int64_t{1} << 22) / (m * n * k))); g > 1; --g)
       if (batches % g == 0) {
         group = g;
@@ -276,7 +293,7 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   const int64_t len = by_columns ? n : m, last = len - (blocks - 1) * span;
   auto primitive = [&](int64_t extent) {
     return by_columns ? Bf16Primitive(ta, tb, m, extent, k, lda, ldb, n, group, sa, sb)
-                      : Bf16Primitive(ta, tb, extent, n, k, lda, ldb, n, group, sa, sb);
+                      : Bf16Primitive(ta, tb, extent, n, k, copy_a ? extent : lda, ldb, n, group, sa, sb);
   };
   const std::shared_ptr<const Bf16Matmul> full = primitive(std::min(span, len)), tail = last == span ? full : primitive(last);
   // The calling (replica) thread's memory objects and scratchpads for these primitives, one set per TBB
@@ -285,13 +302,14 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   struct SlotMems {
     BoundDnnlMem a, b, c, scratch;
     std::vector<char> scratch_buf;
+    std::vector<uint16_t> dense_a;  // copy_a: the block's rows of op(A), k x rows
     char* ScratchPtr() {
       const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_buf.data());
       return scratch_buf.data() + (64 - p % 64) % 64;
     }
   };
   thread_local std::unordered_map<const Bf16Matmul*, std::vector<SlotMems>> mems_of;
-  auto slots_of = [&](const Bf16Matmul& p) -> std::vector<SlotMems>& {
+  auto slots_of = [&](const Bf16Matmul& p, int64_t extent) -> std::vector<SlotMems>& {
     std::vector<SlotMems>& v = mems_of[&p];  // a reference into an unordered_map survives its rehashes
     if (v.empty()) {
       v.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
@@ -303,10 +321,13 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
         if (p.scratch > 0) slot.scratch.Bind(p.scratch_md, slot.ScratchPtr());
       }
     }
+    // Another call may have made the slots of an equal primitive without a copy.
+    if (copy_a && static_cast<int64_t>(v[0].dense_a.size()) < extent * k)
+      for (SlotMems& slot : v) slot.dense_a.resize(extent * k);
     return v;
   };
-  std::vector<SlotMems>& full_slots = slots_of(*full);
-  std::vector<SlotMems>& tail_slots = slots_of(*tail);
+  std::vector<SlotMems>& full_slots = slots_of(*full, std::min(span, len));
+  std::vector<SlotMems>& tail_slots = slots_of(*tail, last);
   auto run = [&](int64_t task) {
     thread_local const bool single = (SetOmpThreads(1), true);
     (void)single;
@@ -318,9 +339,15 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
     const int index = std::max(0, tbb::this_task_arena::current_thread_index());
     SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond the bf16 matmul's ", slots.size());
     SlotMems& mm = slots[index];
+    const uint16_t* a = ha + bt * sa + (ta ? r0 : r0 * lda);
+    if (copy_a) {  // op(A)'s rows r0.. are columns of the stored k x lda matrix
+      const int64_t rows = is_tail ? last : span;
+      for (int64_t p = 0; p < k; ++p) std::memcpy(mm.dense_a.data() + p * rows, a + p * lda, rows * sizeof(uint16_t));
+      a = mm.dense_a.data();
+    }
     // oneDNN reads the operands only; its handles are non-const.
     dnnl_exec_arg_t args[] = {
-        {DNNL_ARG_SRC, mm.a.Bind(p.a, const_cast<uint16_t*>(ha + bt * sa + (ta ? r0 : r0 * lda)))},
+        {DNNL_ARG_SRC, mm.a.Bind(p.a, const_cast<uint16_t*>(a))},
         {DNNL_ARG_WEIGHTS, mm.b.Bind(p.b, const_cast<uint16_t*>(hb + bt * sb + (tb ? c0 * ldb : c0)))},
         {DNNL_ARG_DST, mm.c.Bind(p.c, c + bt * m * n + r0 * n + c0)},
         {DNNL_ARG_SCRATCHPAD, p.scratch > 0 ? mm.scratch.Bind(p.scratch_md, mm.ScratchPtr()) : nullptr}};
