@@ -286,13 +286,22 @@ void SumRows(const ReduceLayout& l, int64_t r0, int64_t r1, const T* x, int64_t 
   flush();
 }
 
+// How many arrays of partial sums a reduction keeps: one per block, or one in all when every output
+// is one whole row (softmax's sums: rows == nout, the last axis reduced). Then each output is written
+// by its row's block alone, and the other blocks' partials would be zeros: adding them changes no bit
+// (a partial starts at +0), so they are not kept, zeroed nor added (32 x 16384 doubles per softmax sum).
+int64_t PartialArrays(const ReduceLayout& l) { return l.inner == 0 && l.rows == l.nout ? 1 : l.blocks; }
+double* PartialOf(const ReduceLayout& l, double* acc, int64_t blk) {
+  return acc + (PartialArrays(l) == 1 ? 0 : blk * l.nout);
+}
+
 // The blocks' partial sums (acc[blk * nout + i]) added in block order, divided for a mean.
 template <typename T>
 void Finish(const ReduceLayout& l, bool mean, double* acc, T* out) {
   // Block by block over contiguous outputs (each output still adds its blocks in block order): per
   // output across the blocks, every read was nout doubles away from the last (a cache and TLB miss
   // each for softmax's 16384 rows).
-  for (int64_t blk = 1; blk < l.blocks; ++blk) {
+  for (int64_t blk = 1; blk < PartialArrays(l); ++blk) {
     const double* part = acc + blk * l.nout;
     for (int64_t i = 0; i < l.nout; ++i) acc[i] += part[i];
   }
@@ -370,9 +379,9 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     });
     return;
   }
-  acc.assign(l.blocks * l.nout, 0.0);
+  acc.assign(PartialArrays(l) * l.nout, 0.0);
   ForBlocks(l.blocks, [&](int64_t blk) {
-    double* part = acc.data() + blk * l.nout;
+    double* part = PartialOf(l, acc.data(), blk);
     const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
     if (l.inner == 0) return SumRows(l, r0, r1, x, 0, part);
     ForRows(l, r0, r1, [&](int64_t src, int64_t dst) { AddRowPart(l, x + src, 0, l.n, nullptr, part + dst); });
@@ -386,11 +395,12 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
 // same order as Reduce's.
 void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const* out, int64_t window,
                WindowProducer produce, std::vector<double>& acc) {
-  acc.assign(l.blocks * l.nout * count, 0.0);
+  const int64_t per_sum = PartialArrays(l) * l.nout;
+  acc.assign(per_sum * count, 0.0);
   window = std::max<int64_t>(8, window / 8 * 8);
   ForBlocks(l.blocks, [&](int64_t blk) {
     const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
-    auto part = [&](int j) { return acc.data() + (static_cast<int64_t>(j) * l.blocks + blk) * l.nout; };
+    auto part = [&](int j) { return PartialOf(l, acc.data() + j * per_sum, blk); };
     if (l.n <= window) {  // whole rows per window
       const int64_t per = std::max<int64_t>(1, window / std::max<int64_t>(l.n, 1));
       for (int64_t w0 = r0; w0 < r1; w0 += per) {
@@ -417,7 +427,7 @@ void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const*
         for (int j = 0; j < count; ++j) part(j)[dst] += LaneSum(s[j]);
     });
   });
-  for (int j = 0; j < count; ++j) Finish(l, mean[j], acc.data() + static_cast<int64_t>(j) * l.blocks * l.nout, out[j]);
+  for (int j = 0; j < count; ++j) Finish(l, mean[j], acc.data() + j * per_sum, out[j]);
 }
 
 template void Reduce<float>(OpCode, const Shape&, const ir::IntList&, const Shape&, const float*, float*,

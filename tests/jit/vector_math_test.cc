@@ -209,6 +209,8 @@ TEST_CASE("fused loops with exp, log, tanh, sigmoid vectorise; with SHARDSTEP_SC
     CHECK(width >= 4);
     CHECK(text.find(call) == std::string::npos);
     CHECK(text.find("x float>") != std::string::npos);
+    // Compute-bound: vectorised 512 bits wide where the CPU has AVX-512 (LLVM's default is 256).
+    CHECK(text.find("\"prefer-vector-width\"=\"512\"") != std::string::npos);
 
     ::setenv("SHARDSTEP_SCALAR_LIBM", "1", 1);
     std::vector<std::string> libm_remarks;
@@ -218,7 +220,10 @@ TEST_CASE("fused loops with exp, log, tanh, sigmoid vectorise; with SHARDSTEP_SC
     for (const std::string& r : libm_remarks) vectorised |= r.find("passed: vectorized loop") != std::string::npos;
     CHECK_FALSE(vectorised);
     CHECK(libm_text.find(call) != std::string::npos);
+    CHECK(libm_text.find("prefer-vector-width") == std::string::npos);
   }
+  // A memory-bound kernel keeps LLVM's default width.
+  CHECK(compile(OpCode::kNeg, nullptr).find("prefer-vector-width") == std::string::npos);
 }
 
 TEST_CASE("a perturbed exp polynomial breaks the 2-ulp bound (the check can fail)", "[jit][vector_math]") {
