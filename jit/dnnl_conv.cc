@@ -240,8 +240,12 @@ namespace {
 // convolutions with 32 or more channels when the output tiles exactly in 4x4 (CIFAR's 32x32 and
 // 16x16: 0.45-0.7x the direct time in all three passes); with partial tiles (Fashion-MNIST's 14x14 and
 // 7x7) only in the filter gradient (0.6-0.8x), where the direct kernels are slowest. With 16 channels
-// they gain nothing. Not for a forward pass whose equal patches must give equal outputs.
-bool WinogradFaster(ConvKind kind, const ConvShape& g, ConvTies ties) {
+// they gain nothing. Not for a forward pass whose equal patches must give equal outputs. That was an
+// AMD CPU (AVX-512, AVX512-BF16). On an Intel CPU with AMX, oneDNN's direct avx512_core kernels won
+// every Winograd-eligible resnet20 shape at 28x28 and 32x32 (0.78-0.96x of Winograd's time, one tie;
+// bench/conv), and the CNN's step was 20.1-20.3 -> 18.4-18.8 ms without it: no Winograd there.
+bool WinogradFaster(ConvKind kind, const ConvShape& g, ConvTies ties, bool winograd_cpu) {
+  if (!winograd_cpu) return false;
   if (g.kh != 3 || g.kw != 3 || g.sh != 1 || g.sw != 1 || g.ph != 1 || g.pw != 1) return false;
   if (g.c % 16 != 0 || g.o % 16 != 0 || g.c < 32) return false;
   if (kind == ConvKind::kForward && ties == ConvTies::kExact) return false;
@@ -249,14 +253,16 @@ bool WinogradFaster(ConvKind kind, const ConvShape& g, ConvTies ties) {
 }
 }  // namespace
 
-ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {
+bool WinogradCpu() { return !CpuHasAmx(); }  // see WinogradFaster
+
+ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties, bool winograd_cpu) {
   // bench/conv on resnet20's shapes (AVX2): oneDNN's direct kernels on blocked layouts (channels in
   // blocks of 8), reorders included, beat im2col for the 3x3 convolutions with 16-64 channels; with
   // one input channel (the stem) the blocks are mostly padding and im2col wins 4-6x; a 1x1 convolution
   // is one sgemm per image already, and oneDNN's 1x1 kernels with the reorders were no faster. oneDNN
   // on plain NCHW (its gemm convolution) was slower than im2col on most shapes.
   if (g.n == 0 || g.k() == 0 || g.p() == 0) return ConvPath::kIm2col;
-  if (WinogradFaster(kind, g, ties)) return ConvPath::kDnnlWinograd;
+  if (WinogradFaster(kind, g, ties, winograd_cpu)) return ConvPath::kDnnlWinograd;
   return g.kh * g.kw > 1 && g.c % 8 == 0 && g.o % 8 == 0 ? ConvPath::kDnnlBlocked : ConvPath::kIm2col;
 }
 
@@ -266,7 +272,7 @@ ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {
     return std::string(e ? e : "");
   }();
   if (choice == "im2col") return ConvPath::kIm2col;
-  const ConvPath p = PreferredConvPath(kind, g, ties);
+  const ConvPath p = PreferredConvPath(kind, g, ties, WinogradCpu());
   return choice == "direct" && p == ConvPath::kDnnlWinograd ? ConvPath::kDnnlBlocked : p;
 }
 

@@ -25,9 +25,13 @@ const char* ConvPathName(ConvPath p);
 // among equal values follows exact ties (Winograd's result depends on a patch's place in its tile).
 enum class ConvTies { kFree, kExact };
 
+// Whether Winograd pays on this CPU at all (bench/conv: on an AMD CPU it did, on an Intel one with AMX
+// it did not); read once per process.
+bool WinogradCpu();
 // The faster path for this convolution by bench/conv's measurements: a rule on the shape (and ties)
-// alone, so the same module always computes the same bits.
-ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact);
+// and the CPU class alone, so the same module always computes the same bits on one machine.
+ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact,
+                           bool winograd_cpu = WinogradCpu());
 // The path a step takes: PreferredConvPath, or im2col for every convolution when the environment
 // variable SHARDSTEP_CONV=im2col is set, or no Winograd with SHARDSTEP_CONV=direct (read once per
 // process; to compare them).

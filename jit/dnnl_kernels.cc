@@ -100,6 +100,11 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
   tbb::parallel_for(int64_t{0}, blocks, run);
 }
 
+bool CpuHasAmx() {
+  static const bool amx = dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx;
+  return amx;
+}
+
 const dnnl::engine& DnnlEngine() {
   static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
   return e;
@@ -202,13 +207,6 @@ std::shared_ptr<const Bf16Matmul> Bf16Primitive(bool ta, bool tb, int64_t m, int
 }
 
 
-// Whether oneDNN runs AMX kernels on this CPU (read once: the block rule below depends on it, so one
-// machine always computes the same bits).
-bool AmxBf16() {
-  static const bool amx = dnnl::get_effective_cpu_isa() == dnnl::cpu_isa::avx512_core_amx;
-  return amx;
-}
-
 // Round to nearest even: exact (the top half) for the bf16 values this is meant for.
 void ToBf16(const float* x, int64_t count, uint16_t* y) {
   tbb::parallel_for(int64_t{0}, (count + (1 << 16) - 1) >> 16, [&](int64_t chunk) {
@@ -271,7 +269,7 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   // columns of the stored A copied dense first (k x rows, small): oneDNN 2.6 runs its AMX kernels only
   // on dense operands, and the column blocks' strided B and C sent these products to its gemm:jit,
   // 1.7-2x slower (bench/step --bf16, the MLP's 784x1024x128 and 1024x1024x128).
-  const bool dense_rows = ta && AmxBf16();
+  const bool dense_rows = ta && CpuHasAmx();
   const bool by_columns = m < n && !dense_rows;
   auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
   if (dense_rows && blocks > 2) {

@@ -31,6 +31,10 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
 void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const uint16_t* a,
                         int64_t lda, int64_t sa, const uint16_t* b, int64_t ldb, int64_t sb, float* c);
 
+// Whether oneDNN runs AMX kernels on this CPU (read once). Rules that choose a kernel by measurements
+// that differ between CPUs key on it, so one machine always computes the same bits.
+bool CpuHasAmx();
+
 // Threading policy. Debian's libdnnl uses OpenMP (libgomp), whose workers spin after each parallel
 // call and were seen taking half the machine from TBB. So every oneDNN call made by a step runs
 // with one OpenMP thread (omp_set_num_threads is per calling thread; ParallelSgemm sets it in each
