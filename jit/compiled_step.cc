@@ -60,6 +60,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -268,51 +269,101 @@ void MaskMaxPoolGradsByRelu(ir::Module& m) {
   }
   if (changed) m.Canonicalize();
 }
-// A cheap full-size value computed from values in memory anyway and small broadcast ones, read by
-// several loops: batch norm's x - mean (x: a convolution's output), read by the forward loops and by
-// the backward's, was written by the forward loop and read back. Each elementwise reader after the
-// first gets its own copy of the op (and of its broadcasts), which the fuser puts in the reader's own
-// loop: recomputed from x there, so no loop writes it (x - mean at 128x16x28x28: 6.4 MB written and
-// read back per batch norm). The same ops on the same values: the same bits.
-bool RecomputedInReaders(const ir::Module& m, ValueId v, const std::vector<std::vector<ValueId>>& users) {
-  const ir::Instr& in = m.at(v);
-  if (in.op != OpCode::kSub && in.op != OpCode::kAdd && in.op != OpCode::kMul) return false;
-  if (in.type.dtype != DType::kF32) return false;
-  bool full_operand = false;
-  for (ValueId o : in.operands) {
-    const ir::Instr& x = m.at(o);
-    if (x.op == OpCode::kBroadcast) {
-      if (m.type(x.operands[0]).elements() * 64 > in.type.elements()) return false;  // not small
-    } else if (ir::IsFusible(m, o) || x.op == OpCode::kConstant) {
-      return false;  // computed by a loop (a copy would compute it again) or a splat (fused already)
-    } else {
-      full_operand = true;  // a leaf's or a non-fusible op's result: in memory anyway
+// Values recomputed in their later readers' loops instead of written by one loop and read back by
+// another. Batch norm's x - mean (x: a convolution's output) is read by the forward loops and by the
+// backward's; GELU's x + b, x^2, 1 + tanh(...), 0.5 x and 1 - tanh^2 were written by the forward loop
+// and read back by the backward's (five [4096,512] tensors per transformer layer). A value qualifies
+// when a loop can compute it again from at most one value in memory anyway (a leaf's or a non-fusible
+// op's result, or a value some non-fusible op reads), small broadcasts (at most 1/64 of its size) and
+// splat constants: an f32 elementwise op of at least kMinRecomputedElements elements, read by no
+// non-fusible op, whose operands are those or qualify themselves, kMaxRecomputedOps ops at most in
+// all. Each of its elementwise readers of its shape after the first gets its own copy of the chain
+// (with its broadcasts), which the fuser puts in the reader's loop. The same ops on the same values:
+// the same bits.
+constexpr int kMaxRecomputedOps = 16;
+constexpr int64_t kMinRecomputedElements = 1024;
+
+class Recomputation {
+ public:
+  explicit Recomputation(const ir::Module& m) : m_(m), users_(m.Users()), cost_(m.size(), kUnknown), in_memory_(m.size(), 0) {
+    for (const auto& [name, v] : m.outputs) in_memory_[v] = 1;
+    for (const auto& [var, v] : m.assigns) in_memory_[v] = 1;
+    for (ValueId u = 0; u < m.size(); ++u) {
+      const ir::Instr& in = m.at(u);
+      const bool fusible = ir::IsFusible(m, u);
+      if (!fusible) in_memory_[u] = 1;
+      if (fusible || in.op == OpCode::kReduceSum || in.op == OpCode::kReduceMean) continue;  // sums may fuse
+      for (ValueId o : in.operands) in_memory_[o] = 1;
     }
   }
-  for (const auto& [var, a] : m.assigns)
-    if (a == v) return false;
-  for (const auto& [name, o] : m.outputs)
-    if (o == v) return false;
-  std::vector<ValueId> readers;
-  for (ValueId u : users[v])
-    if (ir::IsFusible(m, u) && (readers.empty() || readers.back() != u)) readers.push_back(u);
-  return full_operand && readers.size() >= 2;
-}
-// Returns the number of copies made.
+  const std::vector<std::vector<ValueId>>& users() const { return users_; }
+
+  // Ops a loop spends computing v again, or -1 when it cannot (or need not: v is in memory anyway).
+  int Cost(ValueId v) {
+    if (cost_[v] != kUnknown) return cost_[v];
+    cost_[v] = -1;
+    const ir::Instr& in = m_.at(v);
+    if (in_memory_[v] || in.type.dtype != DType::kF32 || in.op == OpCode::kConstant || in.op == OpCode::kBroadcast) return -1;
+    if (in.type.elements() < kMinRecomputedElements) return -1;  // small: its loop would be split for nothing
+    int cost = 1;
+    std::vector<ValueId>& leaves = leaves_[v];
+    for (ValueId o : in.operands) {
+      const ir::Instr& x = m_.at(o);
+      if (x.op == OpCode::kBroadcast) {
+        if (m_.type(x.operands[0]).elements() * 64 > in.type.elements()) return -1;  // not small
+        ++cost;
+      } else if (x.op == OpCode::kConstant) {
+        continue;
+      } else if (in_memory_[o]) {
+        leaves.push_back(o);
+      } else {
+        const int c = Cost(o);
+        if (c < 0) return -1;
+        cost += c;
+        leaves.insert(leaves.end(), leaves_[o].begin(), leaves_[o].end());
+      }
+    }
+    std::sort(leaves.begin(), leaves.end());
+    leaves.erase(std::unique(leaves.begin(), leaves.end()), leaves.end());
+    // A copy reading two values in memory to spare its reader one is no saving (resnet20's relu
+    // gradients, from up to 9 values: 7% slower).
+    if (leaves.size() > 1) return -1;
+    return cost_[v] = cost <= kMaxRecomputedOps ? cost : -1;
+  }
+  // Whether operand o of a copy is itself copied (else the copy reads the original).
+  bool Copied(ValueId o) {
+    const ir::Instr& x = m_.at(o);
+    return x.op == OpCode::kBroadcast || (x.op != OpCode::kConstant && !in_memory_[o] && Cost(o) >= 0);
+  }
+
+ private:
+  static constexpr int kUnknown = -2;
+  const ir::Module& m_;
+  std::vector<std::vector<ValueId>> users_;
+  std::vector<int> cost_;
+  std::vector<char> in_memory_;
+  std::vector<std::vector<ValueId>> leaves_ = std::vector<std::vector<ValueId>>(m_.size());  // in memory, read by a copy
+};
+
+// Returns the number of values copied for a reader.
 int RecomputeCheapValues(ir::Module& m) {
-  const auto users = m.Users();
+  Recomputation r(m);
+  const auto& users = r.users();
   const int n = m.size();
-  // Per user: the (value, copy) pairs it reads; copies are placed just before their reader.
+  // Per user: the values it gets its own copies of; copies are placed just before their reader.
   std::vector<std::vector<ValueId>> copies_of(n);
   bool any = false;
   for (ValueId v = 0; v < n; ++v) {
-    if (!RecomputedInReaders(m, v, users)) continue;
-    bool first = true;
-    for (size_t i = 0; i < users[v].size(); ++i) {
-      const ValueId u = users[v][i];
-      if (!ir::IsFusible(m, u) || (i > 0 && users[v][i - 1] == u)) continue;  // (mul(v, v) lists u twice)
-      if (first) { first = false; continue; }
-      if (std::find(copies_of[u].begin(), copies_of[u].end(), v) == copies_of[u].end()) copies_of[u].push_back(v);
+    if (r.Cost(v) < 0) continue;
+    std::vector<ValueId> readers;
+    // Elementwise readers of v's shape (a broadcast of v, or a loop of another shape, could not take the
+    // copy into its own loop).
+    for (ValueId u : users[v])
+      if (ir::IsFusible(m, u) && m.at(u).op != OpCode::kBroadcast && m.type(u).shape == m.type(v).shape &&
+          (readers.empty() || readers.back() != u))  // (mul(v, v) lists u twice)
+        readers.push_back(u);
+    for (size_t i = 1; i < readers.size(); ++i) {
+      copies_of[readers[i]].push_back(v);
       any = true;
     }
   }
@@ -329,18 +380,15 @@ int RecomputeCheapValues(ir::Module& m) {
   for (ValueId u = 0; u < n; ++u) {
     ir::Instr in = m.at(u);
     for (ValueId& o : in.operands) o = id[o];
+    std::map<ValueId, ValueId> copy_of;  // this reader's copies, each value once
+    std::function<ValueId(ValueId)> copy = [&](ValueId v) -> ValueId {
+      if (auto it = copy_of.find(v); it != copy_of.end()) return it->second;
+      ir::Instr c = m.at(v);
+      for (ValueId& o : c.operands) o = r.Copied(o) ? copy(o) : id[o];
+      return copy_of[v] = emit(std::move(c));
+    };
     for (ValueId v : copies_of[u]) {
-      ir::Instr copy = m.at(v);
-      for (ValueId& o : copy.operands) {
-        if (m.at(o).op == OpCode::kBroadcast) {
-          ir::Instr b = m.at(o);
-          b.operands[0] = id[b.operands[0]];
-          o = emit(std::move(b));
-        } else {
-          o = id[o];
-        }
-      }
-      const ValueId c = emit(std::move(copy));
+      const ValueId c = copy(v);
       ++copies;
       for (size_t i = 0; i < in.operands.size(); ++i)
         if (m.at(u).operands[i] == v) in.operands[i] = c;
