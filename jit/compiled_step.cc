@@ -17,7 +17,9 @@
 //     reader (through reshape aliases; outputs and assigned values to the end of the step), and
 //     values not live at once share bytes. A value swapped into its variable at the end of the step
 //     (assigned once, not an output) keeps a tensor of its own, since the variable takes its storage.
-//     Variables and inputs are read in place; reshape aliases its operand, and so do views (PlanViews:
+//     Variables and inputs are read in place, through slots bound to the caller's tensors once
+//     (StepBinding: the executors bind the state when it is loaded and the batch once per step, so
+//     no replica looks a name up in a step); reshape aliases its operand, and so do views (PlanViews:
 //     a gather of one row of a variable, a contiguous slice), which keep their operand's storage live.
 //     A step allocates nothing except on the reference path (and small per-op index vectors and the
 //     returned outputs).
@@ -122,13 +124,11 @@ void CheckGroup(const ir::Instr& in, const runtime::ReplicaGroup& group, runtime
     throw Error(Str("the Collectives interface carries f32 (and bf16 widened to f32) only, got ", in.type.ToString()));
 }
 
-// The leaf's storage; with parts > 1 the map holds the global batch (dimension 0 scaled by parts)
-// and this returns chunk `part` of it in place.
-const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& in, int parts = 1, int part = 0) {
-  auto it = map.find(in.name);
-  if (it == map.end()) throw Error(Str(what, " @", in.name, ": missing (expected ", in.type.ToString(), ")"));
-  const Tensor& t = it->second;
-  // Compared in place (no copy of the type: a step allocates nothing).
+// The leaf's storage, from the tensor bound to its slot; with parts > 1 the tensor holds the global
+// batch (dimension 0 scaled by parts) and this returns chunk `part` of it in place. The type is checked
+// at every step (in place, no copy: a step allocates nothing), since the caller may have replaced the
+// bound tensor's contents since binding.
+const void* BoundLeaf(const Tensor& t, const char* what, const ir::Instr& in, int parts = 1, int part = 0) {
   const Shape& want = in.type.shape;
   bool same = t.type.dtype == in.type.dtype && t.shape().size() == want.size();
   for (size_t d = 0; same && d < want.size(); ++d) same = t.shape()[d] == want[d] * (d == 0 ? parts : 1);
@@ -143,6 +143,19 @@ const void* LookupLeaf(const TensorMap& map, const char* what, const ir::Instr& 
   if (static_cast<int64_t>(held) != t.elements())
     throw Error(Str(what, " @", in.name, ": ", t.type.ToString(), " holds ", held, " values"));
   return static_cast<const char*>(t.raw()) + (parts > 1 ? part * in.type.bytes() : 0);
+}
+
+// Points `slots` (one per name) at the map's tensors; `type_of` gives a slot's expected type for the
+// error on a missing name.
+template <typename Map, typename T>
+void BindSlots(Map& map, const std::vector<std::string>& names, const char* what,
+               const std::function<const ir::TensorType&(size_t)>& type_of, std::vector<T*>* slots) {
+  slots->resize(names.size());
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto it = map.find(names[i]);
+    if (it == map.end()) throw Error(Str(what, " @", names[i], ": missing (expected ", type_of(i).ToString(), ")"));
+    (*slots)[i] = &it->second;
+  }
 }
 
 int32_t ToS32(double v) {
@@ -644,6 +657,7 @@ void CompiledStep::Plan(bool fuse_reductions) {
     driver_steps_.push_back(d);
   }
   PlanRoutes();
+  PlanLeafSlots();
   PlanViews();
   PlanBuffers();
 }
@@ -970,6 +984,28 @@ void CompiledStep::PlanAssignments() {
   }
 }
 
+// Each variable and input name gets one slot (StepBinding), in the module's order; assignments write
+// their variable's slot.
+void CompiledStep::PlanLeafSlots() {
+  leaf_slot_.assign(m_.size(), -1);
+  std::map<std::string, int> variable_slot, input_slot;
+  for (ValueId v = 0; v < m_.size(); ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (in.op != OpCode::kVariable && in.op != OpCode::kInput) continue;
+    const bool variable = in.op == OpCode::kVariable;
+    auto& slot_of = variable ? variable_slot : input_slot;
+    auto& names = variable ? variable_names_ : input_names_;
+    auto [it, added] = slot_of.emplace(in.name, static_cast<int>(names.size()));
+    if (added) {
+      names.push_back(in.name);
+      (variable ? variable_leaf_ : input_leaf_).push_back(v);
+    }
+    leaf_slot_[v] = it->second;
+  }
+  assign_slot_.clear();
+  for (const auto& [var, v] : m_.assigns) assign_slot_.push_back(leaf_slot_[var]);
+}
+
 std::unique_ptr<llvm::Module> CompiledStep::Emit(llvm::LLVMContext& ctx, const std::string& name) const {
   auto mod = EmitKernels(m_, kernels_, ctx, name);
   EmitStepDriver(*mod, kernels_, driver_steps_, kStepDriverName);
@@ -1109,8 +1145,8 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
   FusedSums(g.layout, count, mean, out, kFusedWindow, produce, ws->scratch);
 }
 
-void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorMap& inputs, int replica,
-                            runtime::Collectives* c, Workspace* ws, int batch_parts) const {
+void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtime::Collectives* c, Workspace* ws,
+                            int batch_parts) const {
   const ir::Instr& in = m_.at(v);
   auto P = [&](int i) { return ws->ptr[in.operands[i]]; };
   auto U = [&](int i) { return static_cast<const uint32_t*>(ws->ptr[in.operands[i]]); };
@@ -1119,8 +1155,9 @@ void CompiledStep::RunInstr(ValueId v, const TensorMap& variables, const TensorM
   uint32_t* uo = static_cast<uint32_t*>(out);
   switch (LoweringOf(m_, v)) {
     case Lowering::kLeaf:
-      if (in.op == OpCode::kVariable) ws->ptr[v] = const_cast<void*>(LookupLeaf(variables, "variable", in));
-      else if (in.op == OpCode::kInput) ws->ptr[v] = const_cast<void*>(LookupLeaf(inputs, "input", in, batch_parts, replica));
+      if (in.op == OpCode::kVariable) ws->ptr[v] = const_cast<void*>(BoundLeaf(*b.variables[leaf_slot_[v]], "variable", in));
+      else if (in.op == OpCode::kInput)
+        ws->ptr[v] = const_cast<void*>(BoundLeaf(*b.inputs[leaf_slot_[v]], "input", in, batch_parts, replica));
       else if (in.op == OpCode::kReplicaId) static_cast<int32_t*>(out)[0] = replica;
       else if (in.op == OpCode::kIota) Iota(in.type, in.GetInt("dimension"), out);
       return;
@@ -1358,11 +1395,48 @@ TensorMap CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int r
 
 void CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replica, runtime::Collectives* c,
                        Workspace* ws, int batch_parts, TensorMap* outputs) const {
+  StepBinding& b = ws->binding;
+  BindVariables(variables, &b);
+  BindInputs(inputs, &b);
+  BindOutputs(outputs, &b);
+  Run(b, replica, c, ws, batch_parts);
+}
+
+void CompiledStep::BindVariables(TensorMap& variables, StepBinding* b) const {
+  BindSlots(variables, variable_names_, "variable", [&](size_t i) -> const ir::TensorType& { return m_.type(variable_leaf_[i]); },
+            &b->variables);
+}
+
+void CompiledStep::BindInputs(const TensorMap& inputs, StepBinding* b) const {
+  BindSlots(inputs, input_names_, "input", [&](size_t i) -> const ir::TensorType& { return m_.type(input_leaf_[i]); },
+            &b->inputs);
+}
+
+void CompiledStep::BindOutputs(TensorMap* outputs, StepBinding* b) const {
+  b->outputs.resize(m_.outputs.size());
+  for (size_t i = 0; i < m_.outputs.size(); ++i) {
+    const auto& [name, v] = m_.outputs[i];
+    auto it = outputs->find(name);
+    if (it == outputs->end() || !(it->second.type == m_.type(v))) it = outputs->insert_or_assign(name, Tensor(m_.type(v))).first;
+    b->outputs[i] = &it->second;
+  }
+}
+
+void CompiledStep::Run(const StepBinding& b, int replica, runtime::Collectives* c, Workspace* ws, int batch_parts) const {
   if (replica < 0 || replica >= m_.num_replicas)
     throw Error(Str("replica ", replica, " out of range [0,", m_.num_replicas, ")"));
   if (c && c->num_replicas() != m_.num_replicas)
     throw Error(Str("module '", m_.name, "' runs on ", m_.num_replicas, " replicas but the collectives connect ",
                     c->num_replicas()));
+  if (b.variables.size() != variable_names_.size() || b.inputs.size() != input_names_.size() ||
+      b.outputs.size() != m_.outputs.size())
+    throw Error(Str("module '", m_.name, "': the binding has ", b.variables.size(), " variables, ", b.inputs.size(),
+                    " inputs and ", b.outputs.size(), " outputs; the step has ", variable_names_.size(), ", ",
+                    input_names_.size(), " and ", m_.outputs.size(), " (bind them first)"));
+  for (size_t i = 0; i < m_.outputs.size(); ++i)  // before the step: a bad binding must not half-run it
+    if (!(b.outputs[i]->type == m_.type(m_.outputs[i].second)))
+      throw Error(Str("output \"", m_.outputs[i].first, "\": bound to a ", b.outputs[i]->type.ToString(), " tensor, the step writes ",
+                      m_.type(m_.outputs[i].second).ToString()));
   if (ws->owner != this) Allocate(ws);
   // The slot table: arena and own storage (a swap at the end of the last step moved the latter).
   char* base = ArenaBase(ws);
@@ -1373,28 +1447,24 @@ void CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replic
   StepContext ctx;
   ctx.slots = ws->ptr.data();
   ctx.step = this;
-  ctx.variables = &variables;
-  ctx.inputs = &inputs;
+  ctx.binding = &b;
   ctx.replica = replica;
   ctx.collectives = c;
   ctx.ws = ws;
   ctx.batch_parts = batch_parts;
   if (driver_(&ctx) != 0) std::rethrow_exception(ctx.error);
-  for (const auto& [name, v] : m_.outputs) {
-    const ir::TensorType& type = m_.type(v);
-    auto it = outputs->find(name);
-    if (it == outputs->end() || !(it->second.type == type)) it = outputs->insert_or_assign(name, Tensor(type)).first;
-    Tensor& t = it->second;
-    if (t.bytes() != 0) std::memcpy(t.raw(), ws->ptr[v], t.bytes());  // an empty output has no storage (null)
+  for (size_t i = 0; i < m_.outputs.size(); ++i) {
+    Tensor& t = *b.outputs[i];
+    if (t.bytes() != 0) std::memcpy(t.raw(), ws->ptr[m_.outputs[i].second], t.bytes());  // an empty output has no storage (null)
   }
-  Assign(variables, ws);
+  Assign(b, ws);
 }
 
 // Assignments see the values from before the step: all were computed above, and PlanAssignments
 // ordered the copies so that a variable read in place is read before it is overwritten (staging the
 // sources of cycles first). An owned value assigned once and not an output is swapped in; anything
 // else is copied.
-void CompiledStep::Assign(TensorMap& variables, Workspace* ws) const {
+void CompiledStep::Assign(const StepBinding& b, Workspace* ws) const {
   for (size_t i = 0; i < m_.assigns.size(); ++i) {
     if (staging_offset_[i] < 0) continue;
     const ValueId v = m_.assigns[i].second;
@@ -1402,7 +1472,7 @@ void CompiledStep::Assign(TensorMap& variables, Workspace* ws) const {
   }
   for (int i : assign_order_) {
     const auto& [var, v] = m_.assigns[i];
-    Tensor& dst = variables[m_.at(var).name];
+    Tensor& dst = *b.variables[assign_slot_[i]];
     SS_CHECK(dst.type == m_.at(var).type, "assign to @", m_.at(var).name, " changes its type");
     Tensor& src = ws->owned[v];
     if (staging_offset_[i] >= 0) {

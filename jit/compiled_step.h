@@ -48,6 +48,17 @@ Lowering LoweringOf(const ir::Module& m, ir::ValueId v);
 class CompiledStep;
 class ConvKernel;
 
+// The tensors one replica's step reads and writes, bound to the step's slots once (CompiledStep::
+// BindVariables, BindInputs, BindOutputs): the step then addresses its variables, inputs and outputs by
+// slot and never looks a name up. The pointers are into the caller's maps, so a binding holds until an
+// entry is erased or its map is reassigned (bind again then); each step still checks every bound
+// tensor's type, so a tensor replaced in place gets a clear error, not a wrong read.
+struct StepBinding {
+  std::vector<runtime::Tensor*> variables;     // per variable slot (CompiledStep::variable_names())
+  std::vector<const runtime::Tensor*> inputs;  // per input slot (CompiledStep::input_names())
+  std::vector<runtime::Tensor*> outputs;       // per output of the module, in its order
+};
+
 // Per-replica buffers of one CompiledStep: allocated at the first Run, reused by every later step.
 struct Workspace {
   const CompiledStep* owner = nullptr;
@@ -62,6 +73,7 @@ struct Workspace {
   std::vector<void*> fused_bufs;
   std::vector<const float*> fused_operands;
   std::vector<float> fused_windows;
+  StepBinding binding;                  // the name-based Run's, bound again at each call
   std::vector<char> staging;            // assignments staged through a temporary (a swap, a rotation)
   std::vector<const float*> part_ins;   // a packed collective's parts (CompiledStep::PlanPackedCollectives)
   std::vector<float*> part_outs;
@@ -94,6 +106,20 @@ class CompiledStep {
   void Run(runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
            runtime::Collectives* collectives, Workspace* ws, int batch_parts, runtime::TensorMap* outputs) const;
 
+  // The names behind the slots of StepBinding, in slot order (each variable and input once).
+  const std::vector<std::string>& variable_names() const { return variable_names_; }
+  const std::vector<std::string>& input_names() const { return input_names_; }
+  // Point `b`'s slots at the maps' tensors; a missing name is an error naming it. BindOutputs gives
+  // `outputs` a tensor of the right type for each output (keeping one already there) and binds it.
+  // Sizes the vectors once: binding again with the same step allocates nothing.
+  void BindVariables(runtime::TensorMap& variables, StepBinding* b) const;
+  void BindInputs(const runtime::TensorMap& inputs, StepBinding* b) const;
+  void BindOutputs(runtime::TensorMap* outputs, StepBinding* b) const;
+  // One step on bound tensors, with the semantics of the Run above: writes the outputs into the bound
+  // output tensors and each assigned variable's new value into its bound tensor.
+  void Run(const StepBinding& b, int replica, runtime::Collectives* collectives, Workspace* ws,
+           int batch_parts = 1) const;
+
  private:
   struct Step {
     int kernel = -1;           // >= 0: run kernels_[kernel]
@@ -109,12 +135,13 @@ class CompiledStep {
   void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, int replica, runtime::Collectives* c,
                            Workspace* ws) const;
   void PlanBuffers();
-  void RunInstr(ir::ValueId v, const runtime::TensorMap& variables, const runtime::TensorMap& inputs, int replica,
-                runtime::Collectives* c, Workspace* ws, int batch_parts) const;
+  void RunInstr(ir::ValueId v, const StepBinding& b, int replica, runtime::Collectives* c, Workspace* ws,
+                int batch_parts) const;
   void Allocate(Workspace* ws) const;
   void PlanRoutes();
   void PlanAssignments();
-  void Assign(runtime::TensorMap& variables, Workspace* ws) const;
+  void PlanLeafSlots();
+  void Assign(const StepBinding& b, Workspace* ws) const;
 
   ir::Module m_;
   CompileInfo info_;
@@ -142,6 +169,11 @@ class CompiledStep {
   std::vector<int> assign_order_;
   std::vector<int64_t> staging_offset_;
   int64_t staging_bytes_ = 0;
+  // Per value: its variable or input slot, or -1 (PlanLeafSlots); per assignment, its variable's slot.
+  std::vector<std::string> variable_names_, input_names_;
+  std::vector<ir::ValueId> variable_leaf_, input_leaf_;  // per slot: its first instruction
+  std::vector<int> leaf_slot_;
+  std::vector<int> assign_slot_;
   std::vector<ir::Module> reference_;          // per value: a one-op module for the interpreter, or empty
   std::shared_ptr<JitCompiler> jit_;
   // Per collective value, per replica: its replica group resolved once at planning (or why it has

@@ -12,8 +12,14 @@ namespace shardstep::jit {
 using runtime::TensorMap;
 
 struct CpuExecutor::State {
-  explicit State(int n) : workspaces(n) {}
+  explicit State(int n) : workspaces(n), bindings(n), bound_generation(n, ~uint64_t{0}), bound_outputs(n, nullptr) {}
   std::vector<Workspace> workspaces;  // one per replica
+  // Per replica: the slots of its state, its outputs and the global batch (the batch bound once per
+  // step by BeginStep into `inputs`, then copied into each binding: pointers, no lookups).
+  std::vector<StepBinding> bindings;
+  std::vector<uint64_t> bound_generation;  // the state_generation() each replica's variables were bound at
+  std::vector<const TensorMap*> bound_outputs;  // the map each replica's outputs are bound into, or null
+  StepBinding inputs;
   std::mutex forward_mu;
   // Forward modules compiled so far, found by comparing modules (cheaper than printing one per call).
   std::vector<std::pair<ir::Module, std::shared_ptr<const CompiledStep>>> forwards;
@@ -42,16 +48,39 @@ CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const C
 
 CpuExecutor::~CpuExecutor() = default;
 
+void CpuExecutor::BeginStep(const TensorMap& global_inputs) { step_->BindInputs(global_inputs, &s_->inputs); }
+
+StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
+  StepBinding& b = s_->bindings[r];
+  if (s_->bound_generation[r] != state_generation()) {
+    step_->BindVariables(state, &b);
+    s_->bound_generation[r] = state_generation();
+  }
+  b.inputs = s_->inputs.inputs;  // the same size every step: no allocation
+  return b;
+}
+
 TensorMap CpuExecutor::RunReplica(int r, const TensorMap& global_inputs, TensorMap& state, runtime::Collectives* c) {
   ConfigureThreadsForReplica(num_replicas());
-  // Each replica reads its chunk of the global batch in place.
-  return step_->Run(state, global_inputs, r, c, &s_->workspaces[r], num_replicas());
+  // Each replica reads its chunk of the global batch in place. The returned map is new each step.
+  StepBinding& b = BindingFor(r, state);
+  TensorMap outputs;
+  s_->bound_outputs[r] = nullptr;  // a local map: bound for this step only
+  step_->BindOutputs(&outputs, &b);
+  step_->Run(b, r, c, &s_->workspaces[r], num_replicas());
+  return outputs;
 }
 
 void CpuExecutor::RunReplicaInto(int r, const TensorMap& global_inputs, TensorMap& state, runtime::Collectives* c,
                                  TensorMap* outputs) {
   ConfigureThreadsForReplica(num_replicas());
-  step_->Run(state, global_inputs, r, c, &s_->workspaces[r], num_replicas(), outputs);
+  StepBinding& b = BindingFor(r, state);
+  // ReplicatedExecutor keeps `outputs` from step to step and never erases from it: bound once.
+  if (s_->bound_outputs[r] != outputs) {
+    step_->BindOutputs(outputs, &b);
+    s_->bound_outputs[r] = outputs;
+  }
+  step_->Run(b, r, c, &s_->workspaces[r], num_replicas());
 }
 
 TensorMap CpuExecutor::Forward(const ir::Module& forward, const TensorMap& inputs) {

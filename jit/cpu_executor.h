@@ -32,9 +32,13 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   // Overwrites the replica's output tensors in place (CompiledStep::Run into a kept map).
   void RunReplicaInto(int r, const runtime::TensorMap& global_inputs, runtime::TensorMap& state,
                       runtime::Collectives* c, runtime::TensorMap* outputs) override;
+  // Binds the global batch's tensors to the step's input slots, once for all replicas.
+  void BeginStep(const runtime::TensorMap& global_inputs) override;
 
  private:
   struct State;
+  // Replica r's binding: its variables bound again only after LoadLogicalState, the inputs per step.
+  jit::StepBinding& BindingFor(int r, runtime::TensorMap& state);
   std::unique_ptr<State> s_;
   std::shared_ptr<const CompiledStep> step_;
   CpuExecutorOptions options_;

@@ -124,7 +124,7 @@ extern "C" int32_t ss_rt_instr(StepContext* ctx, int64_t value) {
   const auto v = static_cast<shardstep::ir::ValueId>(value);
   return Guarded(ctx, [&] { return shardstep::jit::InstrKey(*ctx->step, value); }, [&] {
     shardstep::jit::Prefixed(*ctx->step, value, [&] {
-      ctx->step->RunInstr(v, *ctx->variables, *ctx->inputs, ctx->replica, ctx->collectives, ctx->ws, ctx->batch_parts);
+      ctx->step->RunInstr(v, *ctx->binding, ctx->replica, ctx->collectives, ctx->ws, ctx->batch_parts);
     });
   });
 }

@@ -18,6 +18,7 @@
 namespace shardstep::jit {
 
 class CompiledStep;
+struct StepBinding;
 struct Workspace;
 
 // What one Run hands to the driver. `slots` must stay the first member: the driver loads it
@@ -25,8 +26,7 @@ struct Workspace;
 struct StepContext {
   void** slots = nullptr;
   const CompiledStep* step = nullptr;
-  runtime::TensorMap* variables = nullptr;
-  const runtime::TensorMap* inputs = nullptr;
+  const StepBinding* binding = nullptr;  // the variables, inputs and outputs by slot
   int replica = 0;
   runtime::Collectives* collectives = nullptr;
   Workspace* ws = nullptr;

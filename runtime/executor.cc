@@ -96,12 +96,14 @@ void ReplicatedExecutor::RunAll(const TensorMap& global_inputs) {
 }
 
 std::vector<TensorMap> ReplicatedExecutor::StepReplicas(const TensorMap& global_inputs) {
+  BeginStep(global_inputs);
   if (n_ == 1) return {RunReplica(0, global_inputs, states_[0], nullptr)};  // no thread hop
   RunAll(global_inputs);
   return outputs_;  // copies: the caller's
 }
 
 TensorMap ReplicatedExecutor::Step(const TensorMap& global_inputs) {
+  BeginStep(global_inputs);
   if (n_ == 1) return RunReplica(0, global_inputs, states_[0], nullptr);  // no thread hop
   RunAll(global_inputs);
   TensorMap out = outputs_[0];  // the one copy a step makes: the caller's outputs
@@ -117,6 +119,7 @@ TensorMap ReplicatedExecutor::LogicalState() const { return LogicalStateFrom(lay
 
 void ReplicatedExecutor::LoadLogicalState(const TensorMap& state) {
   for (int r = 0; r < n_; ++r) states_[r] = ReplicaState(layout_, state, r);
+  ++state_generation_;
 }
 
 XtensorMap Executor::Step(const XtensorMap& inputs, const XtensorS32Map& s32_inputs) {

@@ -84,6 +84,12 @@ class ReplicatedExecutor : public Executor {
   }
   int num_replicas() const { return n_; }
   Collectives& collectives() { return *collectives_; }
+  // Called once per step before any replica runs (on the caller's thread): a backend binds the global
+  // batch's tensors here once instead of each replica looking them up by name.
+  virtual void BeginStep(const TensorMap& global_inputs) {}
+  // Counts LoadLogicalState calls: the replicas' state maps are new after each, so a backend that keeps
+  // pointers into them (jit::StepBinding) binds again when this changes.
+  uint64_t state_generation() const { return state_generation_; }
   // Replica r's own state (its shards, and the whole of every variable it holds whole), read in place:
   // an evaluation reads the weights from here instead of copying the logical state per batch.
   TensorMap& replica_state(int r) { return states_[r]; }
@@ -93,6 +99,7 @@ class ReplicatedExecutor : public Executor {
   int n_;
   std::unique_ptr<Collectives> collectives_;
   std::vector<TensorMap> states_;
+  uint64_t state_generation_ = 0;
   // With N > 1: each replica's outputs of the last step (reused), and the body the pool runs, made
   // once (it captures only `this`, so running it allocates nothing); step_inputs_ is the current batch.
   void RunAll(const TensorMap& global_inputs);

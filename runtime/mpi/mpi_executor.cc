@@ -16,7 +16,7 @@ namespace shardstep::runtime {
 
 MpiExecutor::MpiExecutor(const ir::Module& step, const TensorMap& logical_state, HybridCollectives& c)
     : step_(step), c_(c), per_rank_(c.replicas_per_process()), first_(c.first_replica()), n_(c.num_replicas()),
-      workspaces_(per_rank_), states_(per_rank_), forward_ws_(std::make_unique<jit::Workspace>()) {
+      workspaces_(per_rank_), states_(per_rank_), bindings_(per_rank_), forward_ws_(std::make_unique<jit::Workspace>()) {
   if (step.num_replicas != n_)
     throw Error(Str("the step is lowered for ", step.num_replicas, " replicas but ", c.ranks(), " ranks x ", per_rank_,
                     " replicas per process (--replicas-per-process) make ", n_));
@@ -32,13 +32,16 @@ TensorMap MpiExecutor::Step(const TensorMap& global_inputs) {
   ++steps_;
   std::vector<TensorMap> outs(per_rank_);
   std::vector<std::vector<float>> losses(per_rank_, std::vector<float>(n_));
+  compiled_->BindInputs(global_inputs, &bindings_[0]);
+  for (int t = 1; t < per_rank_; ++t) bindings_[t].inputs = bindings_[0].inputs;
   ReplicaGroup all(n_);
   for (int r = 0; r < n_; ++r) all[r] = r;
   auto body = [&](int t) {
     const int r = first_ + t;
     jit::ConfigureThreadsForReplica(n_);
     // Each replica reads its chunk of the global batch in place, as in process.
-    outs[t] = compiled_->Run(states_[t], global_inputs, r, &c_, &workspaces_[t], n_);
+    compiled_->BindOutputs(&outs[t], &bindings_[t]);
+    compiled_->Run(bindings_[t], r, &c_, &workspaces_[t], n_);
     auto loss = outs[t].find("loss");
     if (loss != outs[t].end()) c_.AllGather(r, all, loss->second.f32.data(), losses[t].data(), 1);
   };
@@ -87,7 +90,10 @@ TensorMap MpiExecutor::LogicalState() const {
 
 void MpiExecutor::LoadLogicalState(const TensorMap& state) {
   logical_.reset();
-  for (int t = 0; t < per_rank_; ++t) states_[t] = ReplicaState(step_, state, first_ + t);
+  for (int t = 0; t < per_rank_; ++t) {
+    states_[t] = ReplicaState(step_, state, first_ + t);
+    compiled_->BindVariables(states_[t], &bindings_[t]);
+  }
 }
 
 TensorMap MpiExecutor::Forward(const ir::Module& forward, const TensorMap& inputs) {

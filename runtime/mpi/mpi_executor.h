@@ -16,6 +16,7 @@
 
 namespace shardstep::jit {
 class CompiledStep;
+struct StepBinding;
 struct Workspace;
 }  // namespace shardstep::jit
 
@@ -42,6 +43,9 @@ class MpiExecutor final : public Executor {
   std::shared_ptr<const jit::CompiledStep> compiled_;
   std::vector<jit::Workspace> workspaces_;
   std::vector<TensorMap> states_;  // per local replica
+  // Per local replica: its state's variables bound to the step's slots at each LoadLogicalState, the
+  // global batch's inputs bound once per step (jit::StepBinding).
+  std::vector<jit::StepBinding> bindings_;
   std::unique_ptr<ReplicaPool> pool_;
   std::map<std::string, std::shared_ptr<const jit::CompiledStep>> forwards_;
   std::unique_ptr<jit::Workspace> forward_ws_;

@@ -320,6 +320,45 @@ TEST_CASE("bad input to the JIT executor is a clear error, not a crash", "[jit][
   CHECK_NOTHROW(jit->Step(in));
 }
 
+TEST_CASE("a step bound to its tensors once runs by slot, with the name-based Run's bits and errors", "[jit][errors]") {
+  dsl::Program p = Build(false, dsl::Adam().lr(1e-3));
+  auto step = jit::CompiledStep::Compile(p.step);
+  const TensorMap init = InitLogicalState(p.step);
+  REQUIRE(step->variable_names().size() == init.size());
+  CHECK(step->input_names() == std::vector<std::string>{"image", "label"});
+  const auto batches = Batches(false, 3);
+  TensorMap by_name = init, bound = init, out;
+  jit::Workspace ws_name, ws_bound;
+  jit::StepBinding b;
+  step->BindVariables(bound, &b);
+  step->BindOutputs(&out, &b);
+  for (const TensorMap& batch : batches) {
+    const TensorMap want = step->Run(by_name, batch, 0, nullptr, &ws_name);
+    step->BindInputs(batch, &b);  // a new batch map each step: its tensors are bound, the rest stays
+    step->Run(b, 0, nullptr, &ws_bound);
+    CHECK(out == want);
+    CHECK(bound == by_name);  // the assignments went into the bound tensors
+  }
+  CHECK_FALSE(bound == init);
+
+  // A bound tensor replaced in place with the wrong shape: a clear error before anything is written.
+  const std::string w = step->variable_names()[0];
+  const TensorMap before = bound;
+  const Tensor kept = bound.at(w);
+  bound[w] = Tensor(ir::TensorType{ir::DType::kF32, {3}});
+  CHECK_THROWS_WITH(step->Run(b, 0, nullptr, &ws_bound), Catch::Contains("variable @" + w + ": expected"));
+  bound[w] = kept;
+  CHECK(bound == before);
+  CHECK_NOTHROW(step->Run(b, 0, nullptr, &ws_bound));  // the same binding, the tensor back
+
+  // Binding a map without one of the step's names names it; an unbound binding is refused.
+  TensorMap missing = init;
+  missing.erase(w);
+  jit::StepBinding fresh;
+  CHECK_THROWS_WITH(step->BindVariables(missing, &fresh), Catch::Contains("variable @" + w + ": missing (expected"));
+  CHECK_THROWS_WITH(step->Run(jit::StepBinding{}, 0, nullptr, &ws_bound), Catch::Contains("bind them first"));
+}
+
 TEST_CASE("s32 division by zero on the JIT is an error, as in the interpreter", "[jit][errors]") {
   ir::Module m;
   ir::Builder b(&m);
