@@ -1,8 +1,9 @@
 // bench/conv: resnet20's convolutions (batch 128, 28x28 input) forward, input gradient and filter
-// gradient on the CPU JIT's four paths, measured in one run: im2col + sgemm per image (the old path),
+// gradient on the CPU JIT's five paths, measured in one run: im2col + sgemm per image (the old path),
 // oneDNN's convolution primitives on plain NCHW/OIHW memory, on oneDNN's blocked layouts with the
-// reorders from and to NCHW/OIHW included, and oneDNN's Winograd kernels on those layouts (3x3
-// stride-1 convolutions only). Each path runs as the step runs it (blocks of images as TBB
+// reorders from and to NCHW/OIHW included, oneDNN's Winograd kernels on those layouts (3x3
+// stride-1 convolutions only), and the stem loops (one input channel; jit/stem_conv.h; also on the
+// CNN's 32-channel stem, which is not in resnet20's step count). Each path runs as the step runs it (blocks of images as TBB
 // tasks, one OpenMP thread per oneDNN call). Medians of wall time over --reps calls, the paths
 // measured alternately so machine noise hits all alike; ratios are against im2col. It also checks
 // the numbers: each path against im2col (max |diff| relative to the largest |value|), the same bits
@@ -31,13 +32,13 @@ namespace {
 
 struct Layer {
   const char* name;
-  int64_t c, o, stage, k, stride, pad, count;  // stage: input size image / 2^stage; count: per resnet20 step
+  int64_t c, o, stage, k, stride, pad, count;  // stage: input size image / 2^stage; count: per resnet20 step (0: the CNN's layer)
 };
 
 // resnet20 on 1 x image x image inputs (models/resnet.cc): stem, three stages of three blocks (the first block
 // of stages 2 and 3 strides by 2 and has a 1x1 projection).
 const Layer kLayers[] = {
-    {"stem 1->16 3x3", 1, 16, 0, 3, 1, 1, 1},    {"s1 16->16 3x3", 16, 16, 0, 3, 1, 1, 6},
+    {"stem 1->16 3x3", 1, 16, 0, 3, 1, 1, 1},    {"cnn stem 1->32 3x3", 1, 32, 0, 3, 1, 1, 0},    {"s1 16->16 3x3", 16, 16, 0, 3, 1, 1, 6},
     {"s2 16->32 3x3/2", 16, 32, 0, 3, 2, 1, 1},  {"s2 32->32 3x3", 32, 32, 1, 3, 1, 1, 5},
     {"s3 32->64 3x3/2", 32, 64, 1, 3, 2, 1, 1},  {"s3 64->64 3x3", 64, 64, 2, 3, 1, 1, 5},
     {"proj 16->32 1x1/2", 16, 32, 0, 1, 2, 0, 1}, {"proj 32->64 1x1/2", 32, 64, 1, 1, 2, 0, 1},
@@ -67,12 +68,13 @@ int main(int argc, char** argv) {
 
   const ConvKind kinds[] = {ConvKind::kForward, ConvKind::kInputGrad, ConvKind::kFilterGrad};
   const char* kind_names[] = {"forward", "input-grad", "filter-grad"};
-  const ConvPath paths[] = {ConvPath::kIm2col, ConvPath::kDnnlPlain, ConvPath::kDnnlBlocked, ConvPath::kDnnlWinograd};
-  constexpr int kPaths = 4;
+  const ConvPath paths[] = {ConvPath::kIm2col, ConvPath::kDnnlPlain, ConvPath::kDnnlBlocked, ConvPath::kDnnlWinograd,
+                            ConvPath::kStem};
+  constexpr int kPaths = 5;
   std::printf("image %lldx%lld, batch %lld, %d reps, %d hardware threads; median ms per call, ratio vs im2col\n",
               static_cast<long long>(image), static_cast<long long>(image), static_cast<long long>(batch), reps, jit::NumCores());
-  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col", "plain", "ratio",
-              "blocked", "ratio", "winograd", "ratio", "preferred", "checks (max rel diff vs im2col; bits)");
+  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col", "plain", "ratio",
+              "blocked", "ratio", "winograd", "ratio", "stem", "ratio", "preferred", "checks (max rel diff vs im2col; bits)");
   double step_old = 0, step_new = 0;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uni(-1, 1);
@@ -117,7 +119,7 @@ int main(int argc, char** argv) {
       float scale = 0;
       for (float v : out[0]) scale = std::max(scale, std::fabs(v));
       std::string checks;
-      const char* short_names[] = {"im2col", "plain", "blocked", "winograd"};
+      const char* short_names[] = {"im2col", "plain", "blocked", "winograd", "stem"};
       for (int p = 1; p < kPaths; ++p) {
         if (!kernels[p]) continue;
         double diff = 0;
@@ -139,8 +141,9 @@ int main(int argc, char** argv) {
       SS_CHECK(kernels[ci], "the preferred path ", jit::ConvPathName(chosen), " does not take ", l.name);
       step_old += l.count * m[0];
       step_new += l.count * m[ci];
-      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s]\n", l.name, kind_names[ki], m[0], m[1],
-                  m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], jit::ConvPathName(chosen), checks.c_str(),
+      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s]\n", l.name, kind_names[ki],
+                  m[0], m[1], m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], m[4], m[4] / m[0], jit::ConvPathName(chosen),
+                  checks.c_str(),
                   kernels[ci]->Describe().c_str());
     }
   }

@@ -19,7 +19,9 @@ enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // Winograd F(4x4, 3x3) kernels on the blocked layouts (3x3, stride 1; about half the multiplies, within
 // the conformance tolerance); a call whose result holds an inf or a NaN is computed again on the
 // kDnnlBlocked path, since Winograd's transforms spread one non-finite input over a whole tile.
-enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd };
+// kStem: direct AVX-512 loops for a 3x3 stride-1 convolution over one input channel (jit/stem_conv.h;
+// the forward pass and the filter gradient).
+enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd, kStem };
 const char* ConvPathName(ConvPath p);
 // Whether equal input patches must give equal forward outputs: a module with max pooling, whose choice
 // among equal values follows exact ties (Winograd's result depends on a patch's place in its tile).

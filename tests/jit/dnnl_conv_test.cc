@@ -343,3 +343,91 @@ TEST_CASE("a compiled step keeps its forward convolutions direct when the module
     CHECK(jit::CompiledStep::Compile(m)->info().winograd_convs == (!jit::WinogradCpu() ? 0 : pool ? 1 : 2));
   }
 }
+
+// The stem loops (jit/stem_conv.h): a grey image's 3x3 convolution, forward and filter gradient, as
+// direct AVX-512 loops. Shapes with a row tail (w not a multiple of 16), several segments, a 1x1 image
+// (every tap but the centre on padding) and filter-gradient groups with no image.
+TEST_CASE("the stem loops match the interpreter, keep its NaNs and ties, and give the same bits on any number "
+          "of threads",
+          "[jit][conv]") {
+  if (!__builtin_cpu_supports("avx512f")) {
+    WARN("no AVX-512: the stem loops are not used here");
+    return;
+  }
+  jit::ConfigureThreadsForReplica(1);
+  const Geometry geometry[] = {
+      {19, 1, 16, 28, 28, 3, 3, 1, 1},  // two segments (16 + 12); forward blocks of 8, 8, 3; groups of 3, the last 1
+      {5, 1, 3, 9, 35, 3, 3, 1, 1},     // three segments (16 + 16 + 3); groups of 1, three of them empty
+      {2, 1, 8, 1, 1, 3, 3, 1, 1},      // a 1x1 image
+  };
+  uint32_t seed = 21;
+  for (const Geometry& g : geometry)
+    for (OpCode op : {OpCode::kConv2d, OpCode::kConv2dFilterGrad}) {
+      INFO(ir::OpName(op) << " n" << g.n << " o" << g.o << " " << g.h << "x" << g.w);
+      REQUIRE(jit::PreferredConvPath(KindOf(op), ShapeOf(g)) == jit::ConvPath::kStem);
+      const ir::Module m = OneOp(op, g);
+      const ir::Instr& in = m.at(m.outputs[0].second);
+      TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, seed++)},
+                       {"b", RandomF32(m.type(in.operands[1]).shape, seed++)}};
+      const Tensor want = Interpret(m, inputs), scale = Interpret(m, Abs(inputs));
+      const jit::ConvKernel kernel(KindOf(op), ShapeOf(g), jit::ConvPath::kStem);
+      auto run = [&](const TensorMap& in_map) {
+        Tensor t(want.type);
+        kernel.Run(in_map.at("a").f32.data(), in_map.at("b").f32.data(), t.f32.data());
+        return t;
+      };
+      const Tensor got = run(inputs);
+      const Tolerance tol = Tolerance::Sum(Terms(op, g));
+      const conformance::Verdict v = Compare(want, got, tol, &scale);
+      INFO(tol.ToString() << "\n" << v.message);
+      CHECK(v.ok);
+      CHECK(SameBits(run(inputs), got));
+      Tensor one;
+      tbb::task_arena(1).execute([&] { one = run(inputs); });
+      CHECK(SameBits(one, got));
+      CHECK(Compare(want, Jit(m, inputs), tol, &scale).ok);  // the compiled step takes this path
+
+      // An inf weight (forward) or output gradient (filter gradient) meets padding: NaNs where the
+      // interpreter has them. An inf in the image's last column next to a row tail: lanes past the row
+      // add nothing (no NaN from 0 * inf there).
+      TensorMap bad = inputs;
+      bad["b"].f32[op == OpCode::kConv2d ? 1 : 0] = std::numeric_limits<float>::infinity();  // a top tap / a corner
+      bad["a"].f32[g.w - 1] = -std::numeric_limits<float>::infinity();
+      const Tensor want_bad = Interpret(m, bad), got_bad = run(bad);
+      int64_t nans = 0, class_mismatches = 0;
+      for (size_t i = 0; i < want_bad.f32.size(); ++i) {
+        nans += std::isnan(want_bad.f32[i]);
+        class_mismatches += std::isnan(want_bad.f32[i]) != std::isnan(got_bad.f32[i]) ||
+                            std::isinf(want_bad.f32[i]) != std::isinf(got_bad.f32[i]);
+      }
+      CHECK(nans > 0);
+      CHECK(class_mismatches == 0);
+    }
+
+  // Equal input patches give equal outputs (max pooling's ties; see the test above): a constant
+  // background with a bright square in the middle.
+  const Geometry g{4, 1, 8, 14, 20, 3, 3, 1, 1};
+  Tensor x(ir::TensorType{DType::kF32, {g.n, 1, g.h, g.w}});
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(0, 1);
+  for (int64_t i = 0; i < g.n * g.h * g.w; ++i) {
+    const int64_t r = i / g.w % g.h, c = i % g.w;
+    x.f32[i] = (r >= 5 && r < 9 && c >= 8 && c < 12) ? u(rng) : 0.3f;
+  }
+  const Tensor w = RandomF32({g.o, 1, 3, 3}, 6);
+  Tensor y(ir::TensorType{DType::kF32, {g.n, g.o, g.h, g.w}});
+  jit::ConvKernel(jit::ConvKind::kForward, ShapeOf(g), jit::ConvPath::kStem).Run(x.f32.data(), w.f32.data(), y.f32.data());
+  int64_t unequal = 0;
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t o = 0; o < g.o; ++o) {
+      const float* plane = y.f32.data() + (n * g.o + o) * g.h * g.w;
+      for (int64_t r : {1, 2, 11, 12})
+        for (int64_t c : {1, 2, 5, 14, 15, 16, 17, 18}) unequal += plane[r * g.w + c] != plane[1 * g.w + 1];
+    }
+  CHECK(unequal == 0);
+  // Not for the input gradient, nor for more than one input channel.
+  CHECK(jit::PreferredConvPath(jit::ConvKind::kInputGrad, ShapeOf(g)) != jit::ConvPath::kStem);
+  CHECK(jit::PreferredConvPath(jit::ConvKind::kForward, ShapeOf({4, 2, 8, 14, 20, 3, 3, 1, 1})) != jit::ConvPath::kStem);
+  CHECK_THROWS_WITH(jit::ConvKernel(jit::ConvKind::kInputGrad, ShapeOf(g), jit::ConvPath::kStem),
+                    Catch::Contains("one input channel"));
+}
