@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "jit/dnnl_kernels.h"
+#include "jit/max_pool_2x2.h"
 
 namespace shardstep::jit {
 namespace {
@@ -222,6 +223,7 @@ void MaxPool(const PoolShape& g, const float* x, float* y) {
     });
     return;
   }
+  if (Is2x2(g) && MaxPool2x2Vectorised()) return MaxPool2x2(g, x, y);
   if (Is2x2(g)) {
     ForEachPlaneRow(g, [&](int64_t r0, int64_t r1, int64_t o) {
       const float* __restrict a = x + r0;
@@ -264,6 +266,8 @@ void MaxPoolGrad(const PoolShape& g, const float* x, const float* dy, float* dx,
     });
     return;
   }
+  if (Is2x2(g) && g.h == 2 * g.oh && g.w == 2 * g.ow && MaxPool2x2Vectorised())
+    return MaxPool2x2Grad(g, x, dy, dx, relu_mask);
   if (Is2x2(g) && g.h == 2 * g.oh && g.w == 2 * g.ow) {
     // The windows tile the plane: one pass writes every element of dx (no separate zeroing).
     const uint32_t unmasked = relu_mask ? 0u : ~0u;  // branch-free: the inputs look random

@@ -1783,3 +1783,38 @@ TEST_CASE("bf16 mutation check: one bf16 ulp off in an exact fused case fails an
   }
   CHECK(checked >= 4);
 }
+
+// 2x2 stride-2 max pooling runs 16 windows of a row at a time in AVX-512 lanes (jit/max_pool_2x2.h),
+// masked at a row's tail: rows of 7, 14, 16, 17 and 33 outputs (and an odd input width, whose last
+// column no window reads) keep the interpreter's bits in the forward pass, the gradient and the
+// gradient under relu's mask. Values on a grid (ties, zeros) with NaNs of two payloads, -0 and
+// infinities spread over the rows.
+TEST_CASE("2x2 max pooling in vector lanes keeps the interpreter's bits at every row length", "[jit]") {
+  auto bits = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  };
+  const float specials[] = {bits(0x7fc00001u), bits(0xffc00002u), -0.0f, 0.0f, INFINITY, -INFINITY};
+  for (int64_t w : {int64_t{14}, int64_t{28}, int64_t{32}, int64_t{34}, int64_t{66}, int64_t{15}}) {
+    const ir::Shape xs{2, 3, 6, w}, ys{2, 3, 3, w / 2};
+    for (int kind = 0; kind < (w % 2 ? 1 : 3); ++kind) {  // forward; gradient; gradient under relu's mask
+      const std::string what = std::string(kind == 0 ? "max_pool" : kind == 1 ? "max_pool_grad" : "masked max_pool_grad") +
+                               ", input width " + std::to_string(w);
+      CaseBuilder cb(what);
+      ir::Builder& b = cb.b;
+      auto x = cb.InSigned(F(xs), Dist::kGrid);
+      Tensor& t = cb.c.inputs.begin()->second;
+      for (size_t i = 0; i < t.f32.size(); i += 7) t.f32[i] = specials[(i / 7) % 6];
+      Case c;
+      if (kind == 0) {
+        c = cb.Out(b.MaxPool(x, {2, 2}, {2, 2}));
+      } else {
+        auto dy = cb.In(F(ys));
+        auto grad = b.Emit(OpCode::kMaxPoolGrad, {x, dy}, {{"window", IntList{2, 2}}, {"stride", IntList{2, 2}}});
+        c = cb.Out(kind == 1 ? grad : b.Select(b.Emit(OpCode::kGt, {x, b.ScalarLike(0.0, x)}), grad, b.ScalarLike(0.0, grad)));
+      }
+      CheckBitwise(c, what);
+    }
+  }
+}
