@@ -356,7 +356,7 @@ TEST_CASE("the stem loops match the interpreter, keep its NaNs and ties, and giv
   }
   jit::ConfigureThreadsForReplica(1);
   const Geometry geometry[] = {
-      {19, 1, 16, 28, 28, 3, 3, 1, 1},  // two segments (16 + 12); forward blocks of 8, 8, 3; groups of 3, the last 1
+      {19, 1, 16, 28, 28, 3, 3, 1, 1},  // two segments (16 + 12); forward blocks of 7, 7, 5; groups of 3, the last 1
       {5, 1, 3, 9, 35, 3, 3, 1, 1},     // three segments (16 + 16 + 3); groups of 1, three of them empty
       {2, 1, 8, 1, 1, 3, 3, 1, 1},      // a 1x1 image
   };
