@@ -68,6 +68,8 @@
 #include <mutex>
 #include <queue>
 
+#include <unistd.h>
+
 #include "ir/error.h"
 #include "ir/passes/elementwise_fuser.h"
 #include "ir/printer.h"
@@ -216,17 +218,22 @@ bool Bf16Operands(const ir::Module& m, const ir::Instr& in) {
 }
 
 // The JIT's own form of such a matmul: its operands are the bf16 values themselves (2 bytes an element,
-// read in place by oneDNN), marked kBf16OperandsAttr, and the widening converts lose these readers (the
-// fuser then writes them only where something else reads them). Only CompiledStep sees this form: the
+// read in place by oneDNN), marked kBf16OperandsAttr, and the widening converts lose these readers (a
+// convert left with none is dropped; before, its loop still ran: 8 passes over [4096,512] per
+// transformer_lm step). Only CompiledStep sees this form: the
 // IR's matmul takes operands of its result's dtype.
 constexpr const char* kBf16OperandsAttr = "jit_bf16_operands";
 void ReadBf16OperandsInPlace(ir::Module& m) {
+  bool changed = false;
   for (ValueId v = 0; v < m.size(); ++v) {
     ir::Instr& in = m.at(v);
     if (!Bf16Operands(m, in)) continue;
     for (ValueId& o : in.operands) o = m.at(o).operands[0];
     in.attrs[kBf16OperandsAttr] = int64_t{1};
+    changed = true;
   }
+  // A widening convert read by nothing else is dropped: the step would still run its loop.
+  if (changed) m.Canonicalize();
 }
 // The mixed-precision pass rounds a matmul operand after the reshape that gives it the matmul's shape,
 // convert(reshape(x), bf16). Rounding is elementwise and a reshape keeps the element order, so the JIT
@@ -412,6 +419,40 @@ int RecomputeCheapValues(ir::Module& m) {
   for (auto& [var, g] : out.gradients) var = id[var], g = id[g];
   for (auto& [name, v] : out.outputs) v = id[v];
   m = std::move(out);
+  return copies;
+}
+
+// A broadcast read by several loops: each reader after the first gets its own copy, which the fuser puts
+// in the reader's loop (read through an index map), so no loop writes the broadcast at its full size for
+// another to read back. Softmax's row sums, broadcast to the scores' shape, were written by the forward
+// loop and read by two backward loops ([32,4,128,128] per transformer_lm layer: 8 MB written, 16 MB
+// read, where the index map reads 64 KB). Readers that are not elementwise loops of its shape (a
+// matmul, a reduction) share the original. A broadcast copies its operand exactly: the same bits.
+int CopyBroadcastsPerReader(ir::Module& m) {
+  const auto users = m.Users();
+  const int n = m.size();
+  int copies = 0;
+  for (ValueId b = 0; b < n; ++b) {
+    if (m.at(b).op != OpCode::kBroadcast) continue;
+    bool first = true;
+    ValueId prev = ir::kNoValue;
+    for (ValueId u : users[b]) {
+      if (u == prev) continue;  // (mul(b, b) lists u twice)
+      prev = u;
+      if (!ir::IsFusible(m, u) || m.at(u).op == OpCode::kBroadcast || m.type(u).shape != m.type(b).shape) continue;
+      if (first) {  // the first loop reader keeps the original
+        first = false;
+        continue;
+      }
+      ir::Instr c = m.at(b);
+      c.attrs.erase(ir::kFusionAttr);
+      const ValueId copy = m.Append(std::move(c));
+      for (ValueId& o : m.at(u).operands)
+        if (o == b) o = copy;
+      ++copies;
+    }
+  }
+  if (copies > 0) m.Canonicalize();
   return copies;
 }
 
@@ -1012,6 +1053,56 @@ std::unique_ptr<llvm::Module> CompiledStep::Emit(llvm::LLVMContext& ctx, const s
   return mod;
 }
 
+namespace {
+// Debugging aids, read from the environment once:
+//  - SHARDSTEP_JIT_DUMP=<file>: each compiled module's text is appended to <file> (then a line "=====")
+//    as the JIT runs it, after its own rewrites (rounding before reshapes, bf16 operands read in place,
+//    recomputed values, broadcast copies) and with its fusion groups: `compile --emit fused` shows the
+//    module before these.
+//  - SHARDSTEP_JIT_PERF_MAP=1: the fused loops' addresses go to /tmp/perf-<pid>.map, so `perf report`
+//    names them (ss_k<N>_n<elements>_<first ops>_v<first member>) instead of bare JIT addresses.
+void AppendJitModuleText(const std::string& text) {
+  static const char* path = std::getenv("SHARDSTEP_JIT_DUMP");
+  if (!path || !*path) return;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if (FILE* f = std::fopen(path, "a")) {
+    std::fputs(text.c_str(), f);
+    std::fputs("=====\n", f);
+    std::fclose(f);
+  }
+}
+bool PerfMapWanted() {
+  static const bool on = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_PERF_MAP");
+    return e && std::string(e) == "1";
+  }();
+  return on;
+}
+}  // namespace
+
+void CompiledStep::WritePerfMap() const {
+  std::vector<std::pair<uintptr_t, std::string>> syms{{reinterpret_cast<uintptr_t>(driver_), kStepDriverName}};
+  for (const FusedKernel& k : kernels_) {
+    std::string name = Str(k.name, "_n", ir::NumElements(k.shape));
+    for (size_t j = 0; j < k.members.size() && j < 6; ++j) name += Str("_", ir::OpName(m_.at(k.members[j]).op));
+    syms.push_back({reinterpret_cast<uintptr_t>(jit_->Lookup(k.name)), Str(name, "_v", k.members[0])});
+  }
+  std::sort(syms.begin(), syms.end());
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  FILE* f = std::fopen(Str("/tmp/perf-", getpid(), ".map").c_str(), "a");
+  if (!f) return;
+  // A symbol's size is the distance to the next one (the entries are laid out in order); the last
+  // gets 64 KiB.
+  for (size_t i = 0; i < syms.size(); ++i) {
+    const uintptr_t size = i + 1 < syms.size() ? std::min<uintptr_t>(syms[i + 1].first - syms[i].first, 1 << 16) : 1 << 16;
+    std::fprintf(f, "%lx %lx %s\n", static_cast<unsigned long>(syms[i].first), static_cast<unsigned long>(size),
+                 syms[i].second.c_str());
+  }
+  std::fclose(f);
+}
+
 std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& module, const JitOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   ir::Module m = module;
@@ -1019,8 +1110,10 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   ReadBf16OperandsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
   const int recomputed = RecomputeCheapValues(m);
+  const int broadcast_copies = CopyBroadcastsPerReader(m);
   ir::ElementwiseFuser().Run(m);
   const std::string text = ir::Print(m);
+  AppendJitModuleText(text);
   static const bool fuse_env = [] {
     const char* e = std::getenv("SHARDSTEP_JIT_FUSE_REDUCTIONS");
     return !(e && std::string(e) == "0");
@@ -1038,6 +1131,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   step->m_ = std::move(m);
   step->Plan(fuse);
   step->info_.recomputed_values = recomputed;
+  step->info_.broadcast_copies = broadcast_copies;
   step->info_.source = "compiled";
   step->jit_ = JitCompiler::Create(options);
   step->jit_->DefineSymbols(StepRuntimeSymbols());
@@ -1052,6 +1146,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   }
   step->driver_ = reinterpret_cast<StepDriverFn>(step->jit_->Lookup(kStepDriverName));
   step->kernel_fns_.assign(step->kernels_.size(), nullptr);
+  if (PerfMapWanted()) step->WritePerfMap();
   for (const ReduceGroup& g : step->reduce_groups_)
     step->kernel_fns_[g.kernel] = reinterpret_cast<void*>(step->jit_->Lookup(step->kernels_[g.kernel].name));
   step->info_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

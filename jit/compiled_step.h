@@ -32,6 +32,7 @@ struct CompileInfo {
   int packed_collectives = 0;  // combined collectives run on their parts, without concat or slice copies
   int winograd_convs = 0;      // convolutions (of any pass) on oneDNN's Winograd kernels (jit/dnnl_conv.h)
   int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
+  int broadcast_copies = 0;    // copies of a broadcast for its second and later loop readers (never written)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -87,6 +88,9 @@ class CompiledStep {
   ~CompiledStep();
 
   const ir::Module& module() const { return m_; }  // with "fusion" attributes
+  // Appends the fused loops' addresses and names to /tmp/perf-<pid>.map (SHARDSTEP_JIT_PERF_MAP=1
+  // does it at compile time; compiled_step.cc).
+  void WritePerfMap() const;
   const CompileInfo& info() const { return info_; }
   const std::vector<FusedKernel>& kernels() const { return kernels_; }
   // Byte offset of value v in the workspace arena, or -1 (no buffer, or a tensor of its own).

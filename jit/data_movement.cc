@@ -30,6 +30,58 @@ Strides RowMajor(const Shape& s) {
   return st;
 }
 
+namespace {
+
+// Copies of at least this many elements are split into blocks of whole rows of about this size (the
+// partition depends on the shape only), run as TBB tasks: a transpose of attention's heads (2 MB) ran
+// on one core while the other waited.
+constexpr int64_t kCopyBlock = int64_t{1} << 15;
+
+// fn(first_row, end_row, offset of first_row through `strides`) over the rows of `shape` (its last
+// dimension is a row), in parallel blocks for large shapes.
+template <typename Fn>
+void ForRowBlocks(const Shape& shape, const Strides& strides, Fn fn) {
+  const int rank = static_cast<int>(shape.size());
+  const int64_t n = shape.back(), rows = ir::NumElements(shape) / n;
+  auto offset_of = [&](int64_t row) {
+    int64_t off = 0;
+    for (int dd = rank - 2; dd >= 0; --dd) {
+      off += (row % shape[dd]) * strides[dd];
+      row /= shape[dd];
+    }
+    return off;
+  };
+  const int64_t block_rows = std::max<int64_t>(1, kCopyBlock / std::max<int64_t>(n, 1));
+  const int64_t blocks = (rows + block_rows - 1) / block_rows;
+  if (blocks <= 1) return fn(int64_t{0}, rows, int64_t{0});
+  tbb::parallel_for(int64_t{0}, blocks, [&](int64_t b) {
+    const int64_t r0 = b * block_rows;
+    fn(r0, std::min(rows, r0 + block_rows), offset_of(r0));
+  });
+}
+
+// Advances idx (the index of a row, over shape's leading dimensions) to the next row, and off with it.
+inline void NextRow(const Shape& shape, const Strides& strides, Strides& idx, int64_t& off) {
+  for (int dd = static_cast<int>(shape.size()) - 2; dd >= 0; --dd) {
+    off += strides[dd];
+    if (++idx[dd] < shape[dd]) break;
+    off -= strides[dd] * shape[dd];
+    idx[dd] = 0;
+  }
+}
+
+// The index of row `row` over shape's leading dimensions.
+Strides RowIndex(const Shape& shape, int64_t row) {
+  Strides idx(shape.size());
+  for (int dd = static_cast<int>(shape.size()) - 2; dd >= 0; --dd) {
+    idx[dd] = row % shape[dd];
+    row /= shape[dd];
+  }
+  return idx;
+}
+
+}  // namespace
+
 // dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
 void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
   const int64_t total = ir::NumElements(shape);
@@ -38,23 +90,18 @@ void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, u
     dst[0] = src[0];
     return;
   }
-  const int rank = static_cast<int>(shape.size());
   const int64_t n = shape.back(), si = ss.back();
-  Strides idx(rank);
-  int64_t off = 0;
-  for (int64_t row = 0, rows = total / n; row < rows; ++row) {
-    const uint32_t* s = src + off;
-    uint32_t* d = dst + row * n;
-    if (si == 1) std::memcpy(d, s, n * 4);
-    else if (si == 0) std::fill(d, d + n, s[0]);
-    else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
-    for (int dd = rank - 2; dd >= 0; --dd) {
-      off += ss[dd];
-      if (++idx[dd] < shape[dd]) break;
-      off -= ss[dd] * shape[dd];
-      idx[dd] = 0;
+  ForRowBlocks(shape, ss, [&](int64_t r0, int64_t r1, int64_t off) {
+    Strides idx = RowIndex(shape, r0);
+    for (int64_t row = r0; row < r1; ++row) {
+      const uint32_t* s = src + off;
+      uint32_t* d = dst + row * n;
+      if (si == 1) std::memcpy(d, s, n * 4);
+      else if (si == 0) std::fill(d, d + n, s[0]);
+      else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+      NextRow(shape, ss, idx, off);
     }
-  }
+  });
 }
 
 // dst viewed through `ds` = src (row-major over `shape`).
@@ -65,22 +112,17 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
     dst[0] = src[0];
     return;
   }
-  const int rank = static_cast<int>(shape.size());
   const int64_t n = shape.back(), di = ds.back();
-  Strides idx(rank);
-  int64_t off = 0;
-  for (int64_t row = 0, rows = total / n; row < rows; ++row) {
-    const uint32_t* s = src + row * n;
-    uint32_t* d = dst + off;
-    if (di == 1) std::memcpy(d, s, n * 4);
-    else for (int64_t k = 0; k < n; ++k) d[k * di] = s[k];
-    for (int dd = rank - 2; dd >= 0; --dd) {
-      off += ds[dd];
-      if (++idx[dd] < shape[dd]) break;
-      off -= ds[dd] * shape[dd];
-      idx[dd] = 0;
+  ForRowBlocks(shape, ds, [&](int64_t r0, int64_t r1, int64_t off) {
+    Strides idx = RowIndex(shape, r0);
+    for (int64_t row = r0; row < r1; ++row) {
+      const uint32_t* s = src + row * n;
+      uint32_t* d = dst + off;
+      if (di == 1) std::memcpy(d, s, n * 4);
+      else for (int64_t k = 0; k < n; ++k) d[k * di] = s[k];
+      NextRow(shape, ds, idx, off);
     }
-  }
+  });
 }
 
 // Reduced last rows longer than kLongRow are cut into segments of at most kRowSegment (see LayoutOf).

@@ -17,6 +17,7 @@
 // CasesFor is a switch over the op table with no default, so a new op without a case fails to compile,
 // and the walk fails when an op has no case.
 #include <catch2/catch.hpp>
+#include <tbb/global_control.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -1424,6 +1425,114 @@ TEST_CASE("a contiguous slice reads its operand in place, and keeps the operand 
   TensorMap vars;
   const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
   CHECK(Compare(ref.at("y"), got.at("y"), Tolerance::Exact()).ok);
+}
+
+// Softmax's shape: row sums broadcast back over the rows, read by a loop before a matmul and by one that
+// needs the matmul's result (jit/compiled_step.cc CopyBroadcastsPerReader). Each loop reads the sums
+// through its own copy of the broadcast, so no loop writes the broadcast at the rows' size, and the
+// results are the bits of the same module with the second broadcast written by hand.
+TEST_CASE("a broadcast read by two loops is copied into each, never written at its full size", "[jit]") {
+  const TensorMap vars{{"w", Random({DType::kF32, {32, 32}}, 7, Dist::kUniform)}};
+  const TensorMap inputs{{"x", Random({DType::kF32, {64, 32}}, 8, Dist::kUniform)}};
+  TensorMap got[2];
+  for (bool by_hand : {false, true}) {
+    ir::Module m;
+    m.name = "broadcast copies";
+    ir::Builder b(&m);
+    const auto x = b.Input("x", {DType::kF32, {64, 32}});
+    const auto w = b.Variable("w", {DType::kF32, {32, 32}}, ir::kRoleWeight);
+    const auto sums = b.ReduceSum(b.Unary(OpCode::kExp, x), {1});  // f32[64], in memory
+    auto spread = [&] { return b.Broadcast(sums, {64, 32}, {0}); };
+    const auto bc = spread();
+    const auto p = b.Div(x, bc);                                   // the first reader
+    const auto s = b.ReduceSum(b.Mul(p, p), {0});
+    m.outputs.push_back({"s", s});
+    const auto k = b.Reshape(b.Matmul(b.Reshape(s, {1, 32}), w), {32});  // the second reader needs it
+    m.outputs.push_back({"d", b.Mul(b.Div(b.MulScalar(x, 3.0), by_hand ? spread() : bc), b.Broadcast(k, {64, 32}, {1}))});
+    auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+    INFO((by_hand ? "the copy written by hand" : "one broadcast, two readers") << "\n" << ir::Print(step->module()));
+    CHECK(step->info().broadcast_copies == (by_hand ? 0 : 1));
+    int spreads = 0;
+    for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+      const ir::Instr& in = step->module().at(v);
+      if (in.op != OpCode::kBroadcast || in.type.shape != ir::Shape{64, 32} || in.GetInts("dims") != IntList{0}) continue;
+      ++spreads;
+      CHECK(step->arena_offset(v) < 0);  // read through each loop's index map, in neither loop's output
+    }
+    CHECK(spreads == 2);
+    TensorMap ref_vars = vars, got_vars = vars;
+    const TensorMap ref = RunStep(m, ref_vars, inputs);
+    got[by_hand] = JitStep(m, got_vars, inputs);
+    // exp within 2 ulp of libm's, through a quotient, its square and sums of positive terms.
+    CHECK(Compare(ref.at("s"), got[by_hand].at("s"), Tolerance::Ulps(16)).ok);
+  }
+  for (const char* k : {"s", "d"}) CHECK(got[0].at(k).f32 == got[1].at(k).f32);
+}
+
+// A matmul of bf16-rounded operands reads the bf16 values in place (ReadBf16OperandsInPlace); the
+// widening converts it no longer reads are dropped, not left as loops that write values nobody reads
+// (8 passes over [4096,512] per transformer_lm step ran so).
+TEST_CASE("a bf16 matmul's widening converts are dropped when the matmul reads its operands in place", "[jit][bf16]") {
+  ir::Module m;
+  m.name = "bf16 operands";
+  ir::Builder b(&m);
+  const auto x = b.Input("x", {DType::kF32, {48, 40}});
+  const auto w = b.Variable("w", {DType::kF32, {40, 24}}, ir::kRoleWeight);
+  auto rounded = [&](ir::ValueId v) { return b.Convert(b.Convert(b.MulScalar(v, 1.0), DType::kBF16), DType::kF32); };
+  m.outputs.push_back({"y", b.Matmul(rounded(x), rounded(w))});
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  INFO(ir::Print(step->module()));
+  int widening = 0;
+  for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+    const ir::Instr& in = step->module().at(v);
+    widening += in.op == OpCode::kConvert && in.type.dtype == DType::kF32;
+  }
+  CHECK(widening == 0);
+  for (const jit::FusedKernel& k : step->kernels())
+    for (ir::ValueId v : k.outputs) CHECK(step->module().type(v).dtype == DType::kBF16);  // only the rounded operands
+  const TensorMap vars{{"w", Random({DType::kF32, {40, 24}}, 3, Dist::kPositive)}};
+  const TensorMap inputs{{"x", Random({DType::kF32, {48, 40}}, 4, Dist::kPositive)}};
+  TensorMap ref_vars = vars, got_vars = vars;
+  const TensorMap ref = RunStep(m, ref_vars, inputs), got = JitStep(m, got_vars, inputs);
+  // Exact products of bf16 values, f32 sums of 40 positive terms (so |sum| is the sum of |terms|).
+  const Verdict v = Compare(ref.at("y"), got.at("y"), Tolerance::Sum(40), &ref.at("y"));
+  INFO(v.message);
+  CHECK(v.ok);
+}
+
+// Transposes, strided slices, broadcasts, pads and concats of more than one block of rows are copied
+// by TBB tasks (jit/data_movement.cc ForRowBlocks): each block starts its source (or destination)
+// offset from its first row's index. Odd dimensions so that blocks start mid-way through every
+// dimension; the interpreter's bits, the same on one thread.
+TEST_CASE("large strided copies split into row blocks are the interpreter's bits", "[jit]") {
+  const ir::Shape shape = {3, 37, 5, 67};  // 37185 elements: rows of 67, blocks of 489 rows
+  CaseBuilder cb("large strided copies");
+  ir::Builder& b = cb.b;
+  const auto x = cb.In(F(shape));
+  const auto t = b.Emit(OpCode::kTranspose, {x}, {{"perm", IntList{2, 0, 3, 1}}});          // rows of 37, stride 335
+  const auto t2 = b.Emit(OpCode::kTranspose, {x}, {{"perm", IntList{1, 2, 0, 3}}});         // rows of 67, contiguous
+  const auto sl = b.Emit(OpCode::kSlice, {x}, {{"start", IntList{1, 2, 0, 3}}, {"limit", IntList{3, 37, 5, 66}}});
+  const auto bc = b.Broadcast(cb.In(F({37, 67})), {4, 37, 3, 67}, {1, 3});
+  const auto pad = b.Emit(OpCode::kPad, {x}, {{"low", IntList{0, 1, 2, 0}}, {"high", IntList{1, 0, 1, 5}}});
+  const auto cat = b.Emit(OpCode::kConcat, {x, b.MulScalar(x, 2.0)}, {{"axis", int64_t{1}}});
+  cb.c.m.outputs.push_back({"t", t});
+  cb.c.m.outputs.push_back({"t2", t2});
+  cb.c.m.outputs.push_back({"sl", sl});
+  cb.c.m.outputs.push_back({"bc", bc});
+  cb.c.m.outputs.push_back({"pad", pad});
+  Case c = cb.Out(cat);
+  TensorMap vars;
+  const TensorMap ref = RunStep(c.m, vars, c.inputs), got = JitStep(c.m, vars, c.inputs);
+  TensorMap one;
+  {
+    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    one = JitStep(c.m, vars, c.inputs);
+  }
+  for (const char* k : {"t", "t2", "sl", "bc", "pad", "out"}) {
+    INFO(k);
+    CHECK(Compare(ref.at(k), got.at(k), Tolerance::Exact()).ok);
+    CHECK(got.at(k).f32 == one.at(k).f32);
+  }
 }
 
 // relu's gradient after max pooling's, select(y > 0, max_pool_grad(y, dy), 0) with y = relu(x), runs
