@@ -75,6 +75,7 @@
 #include "ir/printer.h"
 #include "ir/shape_inference.h"
 #include "jit/buffer_plan.h"
+#include "jit/channels_last.h"
 #include "jit/cpu_kernels.h"
 #include "jit/data_movement.h"
 #include "jit/dnnl_conv.h"
@@ -640,11 +641,19 @@ void CompiledStep::Plan(bool fuse_reductions) {
     bool f32 = in.type.dtype == DType::kF32;
     for (ValueId o : in.operands) f32 &= m_.type(o).dtype == DType::kF32;
     if (!f32) continue;  // RunInstr reports it
-    const Shape &a = m_.type(in.operands[0]).shape, &b = m_.type(in.operands[1]).shape;
-    if (in.op == OpCode::kConv2d) conv_[v] = PlannedConv(ConvKind::kForward, ConvShapeOf(a, b, in), ties);
-    else if (in.op == OpCode::kConv2dInputGrad)
-      conv_[v] = PlannedConv(ConvKind::kInputGrad, ConvShapeOf(in.type.shape, b, in), ties);
-    else conv_[v] = PlannedConv(ConvKind::kFilterGrad, ConvShapeOf(a, in.type.shape, in), ties);
+    // The channels-last form (jit/channels_last.h) holds NHWC activations: ConvShape takes NCHW.
+    const bool nhwc = in.GetInt(kNhwcAttr, 0) != 0;
+    auto nchw = [&](const Shape& s) { return nhwc ? Shape{s[0], s[3], s[1], s[2]} : s; };
+    const Shape a = m_.type(in.operands[0]).shape, &b = m_.type(in.operands[1]).shape;
+    const ConvKind kind = in.op == OpCode::kConv2d            ? ConvKind::kForward
+                          : in.op == OpCode::kConv2dInputGrad ? ConvKind::kInputGrad
+                                                              : ConvKind::kFilterGrad;
+    const ConvShape g = kind == ConvKind::kForward     ? ConvShapeOf(nchw(a), b, in)
+                        : kind == ConvKind::kInputGrad ? ConvShapeOf(nchw(in.type.shape), b, in)
+                                                       : ConvShapeOf(nchw(a), in.type.shape, in);
+    conv_[v] = nhwc ? PlannedChannelsLastConv(kind, g) : PlannedConv(kind, g, ties);
+    SS_CHECK(conv_[v], "no channels-last kernel for convolution %", v, " (the rewrite checked for one)");
+    info_.channels_last_convs += nhwc;
     info_.winograd_convs += conv_[v]->path() == ConvPath::kDnnlWinograd;
   }
 
@@ -1109,6 +1118,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   RoundBeforeReshapes(m);
   ReadBf16OperandsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
+  if (options.channels_last) ConvolutionsChannelsLast(m);
   const int recomputed = RecomputeCheapValues(m);
   const int broadcast_copies = CopyBroadcastsPerReader(m);
   ir::ElementwiseFuser().Run(m);
@@ -1405,6 +1415,7 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
         conv_[v]->Run(a, b, y);
         return;
       }
+      SS_CHECK(!in.Has(kNhwcAttr), "channels-last convolution %", v, " has no planned kernel");
       if (in.op == OpCode::kConv2d) Conv2dForward(ConvShapeOf(shape(0), shape(1), in), a, b, y);
       else if (in.op == OpCode::kConv2dInputGrad) Conv2dInputGrad(ConvShapeOf(in.type.shape, shape(1), in), a, b, y);
       else Conv2dFilterGrad(ConvShapeOf(shape(0), in.type.shape, in), a, b, y);

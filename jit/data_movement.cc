@@ -241,6 +241,13 @@ template <typename T>
 [[gnu::always_inline]] inline void ColumnBody(const T* xs, int64_t count, double* part) {
   for (int64_t k = 0; k < count; ++k) part[k] += xs[k];
 }
+// Column over `rows` consecutive rows of n elements into the same part[0, n): channels-last batch
+// norm's sums (rows of C = 16-64 channels, one call per window instead of one per row).
+template <typename T>
+[[gnu::always_inline]] inline void ColumnRowsBody(const T* xs, int64_t rows, int64_t n, double* part) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < n; ++k) part[k] += xs[r * n + k];
+}
 
 #define SS_ISA_VARIANTS(NAME, PARAMS, ARGS)                                      \
   __attribute__((target("avx512f"))) void NAME##Avx512 PARAMS { NAME##Body ARGS; } \
@@ -250,6 +257,7 @@ SS_ISA_VARIANTS(Lanes, (const float* xs, int64_t a, int64_t b, int64_t n8, doubl
 SS_ISA_VARIANTS(Lanes4, (const float* x0, const float* x1, const float* x2, const float* x3, int64_t n, double (*s)[8]),
                 (x0, x1, x2, x3, n, s))
 SS_ISA_VARIANTS(Column, (const float* xs, int64_t count, double* part), (xs, count, part))
+SS_ISA_VARIANTS(ColumnRows, (const float* xs, int64_t rows, int64_t n, double* part), (xs, rows, n, part))
 #undef SS_ISA_VARIANTS
 
 int Isa() {
@@ -286,6 +294,19 @@ void Column(const T* xs, int64_t count, double* part) {
   }
   ColumnBody(xs, count, part);
 }
+
+template <typename T>
+void ColumnRows(const T* xs, int64_t rows, int64_t n, double* part) {
+  if constexpr (std::is_same_v<T, float>) {
+    const int isa = Isa();
+    if (isa == 2) return ColumnRowsAvx512(xs, rows, n, part);
+    if (isa == 1) return ColumnRowsAvx2(xs, rows, n, part);
+    return ColumnRowsBase(xs, rows, n, part);
+  }
+  ColumnRowsBody(xs, rows, n, part);
+}
+// Whether every row adds into the same outputs, part[0, n): [reduced rows, kept n] after collapsing.
+bool OneColumnBlock(const ReduceLayout& l) { return l.inner == 1 && l.rank == 2 && l.acc_strides[0] == 0; }
 
 // Elements [a, b) of one row (k counted from the row's start; xs points at element a; a is a
 // multiple of 8 or 0) added into the partial sums: along a reduced last axis into lanes s (Lanes),
@@ -426,6 +447,7 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     double* part = PartialOf(l, acc.data(), blk);
     const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
     if (l.inner == 0) return SumRows(l, r0, r1, x, 0, part);
+    if (OneColumnBlock(l)) return ColumnRows(x + r0 * l.n, r1 - r0, l.n, part);
     ForRows(l, r0, r1, [&](int64_t src, int64_t dst) { AddRowPart(l, x + src, 0, l.n, nullptr, part + dst); });
   });
   Finish(l, op == OpCode::kReduceMean, acc.data(), out);
@@ -451,6 +473,7 @@ void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const*
         for (int j = 0; j < count; ++j) {
           double* p = part(j);
           if (l.inner == 0) SumRows(l, w0, w1, x[j], e0, p);
+          else if (OneColumnBlock(l)) ColumnRows(x[j], w1 - w0, l.n, p);
           else ForRows(l, w0, w1, [&](int64_t src, int64_t dst) { AddRowPart(l, x[j] + (src - e0), 0, l.n, nullptr, p + dst); });
         }
       }

@@ -149,10 +149,13 @@ struct OneOmpThread {
 
 memory::desc Md(memory::dims d, Tag t) { return memory::desc(d, memory::data_type::f32, t); }
 
-Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked, dnnl::algorithm alg) {
+// `user`: the layout of the step's activations (nchw, or nhwc on the channels-last path, where the
+// primitive takes them as they are).
+Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked, dnnl::algorithm alg,
+                Tag user = Tag::nchw) {
   const memory::dims x{images, g.c, g.h, g.w}, w{g.o, g.c, g.kh, g.kw}, y{images, g.o, g.oh, g.ow};
   const memory::dims strides{g.sh, g.sw}, pad{g.ph, g.pw};
-  const Tag act = blocked ? Tag::any : Tag::nchw, wt = blocked ? Tag::any : Tag::oihw;
+  const Tag act = user == Tag::nhwc ? Tag::nhwc : blocked ? Tag::any : Tag::nchw, wt = blocked ? Tag::any : Tag::oihw;
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   const dnnl::convolution_forward::primitive_desc fwd(
@@ -174,26 +177,26 @@ Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked,
   };
   if (kind == ConvKind::kForward) {
     b.conv = dnnl::convolution_forward(fwd);
-    b.args[0] = arg(DNNL_ARG_SRC, Md(x, Tag::nchw), fwd.src_desc(), false, false);
+    b.args[0] = arg(DNNL_ARG_SRC, Md(x, user), fwd.src_desc(), false, false);
     b.args[1] = arg(DNNL_ARG_WEIGHTS, Md(w, Tag::oihw), fwd.weights_desc(), true, false);
-    b.args[2] = arg(DNNL_ARG_DST, Md(y, Tag::nchw), fwd.dst_desc(), false, true);
+    b.args[2] = arg(DNNL_ARG_DST, Md(y, user), fwd.dst_desc(), false, true);
   } else if (kind == ConvKind::kInputGrad) {
     const dnnl::convolution_backward_data::primitive_desc bwd(
         dnnl::convolution_backward_data::desc(alg, Md(x, act), Md(w, wt), Md(y, act), strides, pad, pad), attr, Engine(),
         fwd);
     pd = bwd;
     b.conv = dnnl::convolution_backward_data(bwd);
-    b.args[0] = arg(DNNL_ARG_DIFF_DST, Md(y, Tag::nchw), bwd.diff_dst_desc(), false, false);
+    b.args[0] = arg(DNNL_ARG_DIFF_DST, Md(y, user), bwd.diff_dst_desc(), false, false);
     b.args[1] = arg(DNNL_ARG_WEIGHTS, Md(w, Tag::oihw), bwd.weights_desc(), true, false);
-    b.args[2] = arg(DNNL_ARG_DIFF_SRC, Md(x, Tag::nchw), bwd.diff_src_desc(), false, true);
+    b.args[2] = arg(DNNL_ARG_DIFF_SRC, Md(x, user), bwd.diff_src_desc(), false, true);
   } else {
     const dnnl::convolution_backward_weights::primitive_desc bwd(
         dnnl::convolution_backward_weights::desc(alg, Md(x, act), Md(w, wt), Md(y, act), strides, pad, pad), attr,
         Engine(), fwd);
     pd = bwd;
     b.conv = dnnl::convolution_backward_weights(bwd);
-    b.args[0] = arg(DNNL_ARG_SRC, Md(x, Tag::nchw), bwd.src_desc(), false, false);
-    b.args[1] = arg(DNNL_ARG_DIFF_DST, Md(y, Tag::nchw), bwd.diff_dst_desc(), false, false);
+    b.args[0] = arg(DNNL_ARG_SRC, Md(x, user), bwd.src_desc(), false, false);
+    b.args[1] = arg(DNNL_ARG_DIFF_DST, Md(y, user), bwd.diff_dst_desc(), false, false);
     b.args[2] = arg(DNNL_ARG_DIFF_WEIGHTS, Md(w, Tag::oihw), bwd.diff_weights_desc(), false, true);
   }
   b.scratch = pd.scratchpad_desc().get_size();
@@ -232,6 +235,7 @@ const char* ConvPathName(ConvPath p) {
     case ConvPath::kDnnlBlocked: return "onednn-blocked";
     case ConvPath::kDnnlWinograd: return "onednn-winograd";
     case ConvPath::kStem: return "stem-avx512";
+    case ConvPath::kDnnlChannelsLast: return "onednn-nhwc";
   }
   return "?";
 }
@@ -302,6 +306,22 @@ std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g,
   return k;
 }
 
+std::shared_ptr<const ConvKernel> PlannedChannelsLastConv(ConvKind kind, const ConvShape& g) {
+  using Key = std::array<int64_t, 14>;
+  static std::mutex mu;
+  static std::map<Key, std::shared_ptr<const ConvKernel>> cache;
+  const Key key{static_cast<int64_t>(kind), g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.oh, g.ow};
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, fresh] = cache.emplace(key, nullptr);
+  if (fresh) {
+    try {
+      it->second = std::make_shared<const ConvKernel>(kind, g, ConvPath::kDnnlChannelsLast);
+    } catch (const Error&) {  // no such kernel: the caller keeps the convolution NCHW
+    }
+  }
+  return it->second;
+}
+
 ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_(kind), g_(g), path_(path) {
   if (path == ConvPath::kIm2col) return;
   if (path == ConvPath::kStem) {
@@ -319,10 +339,11 @@ ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_
   const bool blocked = path != ConvPath::kDnnlPlain;
   const auto alg = path == ConvPath::kDnnlWinograd ? dnnl::algorithm::convolution_winograd
                                                    : dnnl::algorithm::convolution_direct;
+  const Tag user = path == ConvPath::kDnnlChannelsLast ? Tag::nhwc : Tag::nchw;
   try {
-    impl->blocks.push_back(MakeBlock(kind, g, impl->per_block, blocked, alg));
+    impl->blocks.push_back(MakeBlock(kind, g, impl->per_block, blocked, alg, user));
     const int64_t rest = g.n % impl->per_block;
-    if (rest) impl->blocks.push_back(MakeBlock(kind, g, rest, blocked, alg));
+    if (rest) impl->blocks.push_back(MakeBlock(kind, g, rest, blocked, alg, user));
   } catch (const dnnl::error& e) {
     throw Error(Str("oneDNN has no convolution for input ", g.n, "x", g.c, "x", g.h, "x", g.w, ", filter ", g.o, "x", g.c,
                     "x", g.kh, "x", g.kw, ": ", e.what()));
@@ -349,6 +370,39 @@ bool AnyNonFinite(const float* v, int64_t n) {
 }
 }  // namespace
 
+namespace {
+// NHWC <-> NCHW for `n` images of c channels and p = h * w pixels.
+void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
+}
+void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < p; ++j)
+      for (int64_t k = 0; k < c; ++k) y[(i * p + j) * c + k] = x[(i * c + k) * p + j];
+}
+}  // namespace
+
+// The im2col kernels on NCHW copies: the rare call whose padded taps meet an inf or a NaN (see Run).
+void ConvKernel::RunExactChannelsLast(const float* a, const float* b, float* out) const {
+  const ConvShape& g = g_;
+  std::vector<float> x(g.n * g.c * g.h * g.w), y(g.n * g.o * g.oh * g.ow);
+  if (kind_ == ConvKind::kForward) {
+    NhwcToNchw(a, g.n, g.c, g.h * g.w, x.data());
+    Conv2dForward(g, x.data(), b, y.data());
+    NchwToNhwc(y.data(), g.n, g.o, g.oh * g.ow, out);
+  } else if (kind_ == ConvKind::kInputGrad) {
+    NhwcToNchw(a, g.n, g.o, g.oh * g.ow, y.data());
+    Conv2dInputGrad(g, y.data(), b, x.data());
+    NchwToNhwc(x.data(), g.n, g.c, g.h * g.w, out);
+  } else {
+    NhwcToNchw(a, g.n, g.c, g.h * g.w, x.data());
+    NhwcToNchw(b, g.n, g.o, g.oh * g.ow, y.data());
+    Conv2dFilterGrad(g, x.data(), y.data(), out);
+  }
+}
+
 void ConvKernel::Run(const float* a, const float* b, float* out) const {
   if (path_ == ConvPath::kStem) {  // multiplies padded zeros, as the interpreter does
     if (kind_ == ConvKind::kForward) StemConvForward(g_, a, b, out);
@@ -362,6 +416,7 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
   const bool exact_nonfinite = padded && impl_ &&
                                ((kind_ == ConvKind::kForward && AnyNonFinite(b, g_.o * g_.k())) ||
                                 (kind_ == ConvKind::kFilterGrad && AnyNonFinite(b, g_.n * g_.o * g_.p())));
+  if (exact_nonfinite && path_ == ConvPath::kDnnlChannelsLast) return RunExactChannelsLast(a, b, out);
   if (!impl_ || exact_nonfinite) {
     if (kind_ == ConvKind::kForward) Conv2dForward(g_, a, b, out);
     else if (kind_ == ConvKind::kInputGrad) Conv2dInputGrad(g_, a, b, out);

@@ -20,8 +20,10 @@ enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // the conformance tolerance); a call whose result holds an inf or a NaN is computed again on the
 // kDnnlBlocked path, since Winograd's transforms spread one non-finite input over a whole tile.
 // kStem: direct AVX-512 loops for a 3x3 stride-1 convolution over one input channel (jit/stem_conv.h;
-// the forward pass and the filter gradient).
-enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd, kStem };
+// the forward pass and the filter gradient). kDnnlChannelsLast: oneDNN's direct kernels on activations
+// stored NHWC (the JIT's channels-last form, jit/channels_last.h), read and written in place: only the
+// weights are reordered.
+enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd, kStem, kDnnlChannelsLast };
 const char* ConvPathName(ConvPath p);
 // Whether equal input patches must give equal forward outputs: a module with max pooling, whose choice
 // among equal values follows exact ties (Winograd's result depends on a patch's place in its tile).
@@ -43,7 +45,7 @@ ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties = ConvT
 constexpr int64_t kConvChunk = 8;
 
 // One convolution op of a step. Forward: Run(x, w, y); input gradient: Run(dy, w, dx); filter
-// gradient: Run(x, dy, dw). Thread-safe: replicas run it at once. After the calling thread's first
+// gradient: Run(x, dy, dw); activations NCHW, or NHWC on the kDnnlChannelsLast path. Thread-safe: replicas run it at once. After the calling thread's first
 // call (which makes its memory objects), a call with the operands at the same addresses allocates
 // nothing (executed through oneDNN's C API: no argument map).
 class ConvKernel {
@@ -58,6 +60,7 @@ class ConvKernel {
   struct Impl;  // the primitives (dnnl_conv.cc)
 
  private:
+  void RunExactChannelsLast(const float* a, const float* b, float* out) const;
   ConvKind kind_;
   ConvShape g_;
   ConvPath path_;
@@ -68,5 +71,8 @@ class ConvKernel {
 // for the process; the path is ChooseConvPath's (the next one when oneDNN refuses the shape: Winograd,
 // then blocked, then im2col).
 std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact);
+// The kernel on NHWC activations (kDnnlChannelsLast; `g` still names the sizes as NCHW/OIHW), or null
+// when oneDNN has none for the shape. Cached as PlannedConv's.
+std::shared_ptr<const ConvKernel> PlannedChannelsLastConv(ConvKind kind, const ConvShape& g);
 
 }  // namespace shardstep::jit

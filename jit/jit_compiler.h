@@ -24,6 +24,9 @@ struct JitOptions {
   // every loop that uses them (jit/compiled_step.cc); off: each reduction reads a materialised
   // operand (the same bits: tests compare the two). SHARDSTEP_JIT_FUSE_REDUCTIONS=0 turns it off too.
   bool fuse_reductions = true;
+  // Convolutions with >= 8 channels and the loops between them run on NHWC activations
+  // (jit/channels_last.h); off: every convolution on NCHW, as the IR has them.
+  bool channels_last = true;
 };
 
 // Where cached objects live for `options` (resolves the default).

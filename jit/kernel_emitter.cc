@@ -174,6 +174,9 @@ class Emitter {
   // at row boundaries: per row the broadcasts' indices are computed once (a constant value loaded
   // before the row's loop, or an offset added to i), so the inner loop vectorises with no gathers.
   // Each element's arithmetic is the same either way.
+  // Rows this short get a loop of constant trip count for each whole row (EmitBody).
+  static constexpr int64_t kShortRow = 256;
+
   void EmitBody(const FusedKernel& k, llvm::Function* f) {
     llvm::BasicBlock* entry = llvm::BasicBlock::Create(ctx_, "entry", f);
     llvm::BasicBlock* exit = llvm::BasicBlock::Create(ctx_, "exit", f);
@@ -212,6 +215,7 @@ class Emitter {
     std::unordered_map<ValueId, llvm::Value*> val_outer, offset;
     llvm::PHINode* seg_begin = nullptr;
     llvm::Value* seg_end = end;
+    llvm::Value *row_start = nullptr, *row_end = nullptr;
     llvm::BasicBlock* outer = nullptr;
     if (rows) {
       outer = llvm::BasicBlock::Create(ctx_, "row", f, exit);
@@ -219,8 +223,8 @@ class Emitter {
       b.SetInsertPoint(outer);
       seg_begin = b.CreatePHI(b.getInt64Ty(), 2, "seg");
       seg_begin->addIncoming(begin, entry);
-      llvm::Value* row_start = b.CreateMul(b.CreateUDiv(seg_begin, b.getInt64(row)), b.getInt64(row));
-      llvm::Value* row_end = b.CreateAdd(row_start, b.getInt64(row));
+      row_start = b.CreateMul(b.CreateUDiv(seg_begin, b.getInt64(row)), b.getInt64(row));
+      row_end = b.CreateAdd(row_start, b.getInt64(row));
       seg_end = b.CreateSelect(b.CreateICmpSLT(row_end, end), row_end, end);
       for (ValueId v : gathers) {
         const ir::Instr& in = m_.at(v);
@@ -233,61 +237,83 @@ class Emitter {
           offset[v] = b.CreateSub(base, row_start);  // operand index = i + offset
       }
     }
+    // One element's work at index i (i64): loads, the members' arithmetic, stores.
+    auto element = [&](llvm::Value* i) {
+      std::unordered_map<ValueId, llvm::Value*> val = val_outer;
+      auto operand = [&](ValueId o) -> llvm::Value* {
+        if (auto it = val.find(o); it != val.end()) return it->second;
+        if (auto it = scalar.find(o); it != scalar.end()) return it->second;
+        const ir::Instr& in = m_.at(o);
+        if (in.op == OpCode::kConstant) {
+          const double c = in.GetFloat("value");
+          if (in.type.dtype == DType::kBF16)
+            return llvm::ConstantFP::get(b.getFloatTy(), runtime::RoundToBf16(static_cast<float>(c)));
+          return in.type.dtype == DType::kF32 ? static_cast<llvm::Value*>(llvm::ConstantFP::get(b.getFloatTy(), static_cast<float>(c)))
+                                              : b.getInt32(static_cast<uint32_t>(ToS32(c)));
+        }
+        auto it = input_arg.find(o);
+        SS_CHECK(it != input_arg.end(), "kernel ", k.name, " has no input %", o);
+        llvm::Type* t = ElemTy(in.type.dtype);
+        llvm::Value* v = Widen(b, b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(it->second), i)), in.type.dtype);
+        val[o] = v;
+        return v;
+      };
+      for (ValueId v : k.members) {
+        const ir::Instr& in = m_.at(v);
+        if (val.count(v)) continue;  // a broadcast constant along the row
+        if (Gathers(in, scalar)) {
+          const ValueId src = in.operands[0];
+          llvm::Value* idx = rows ? b.CreateAdd(i, offset.at(v)) : GatherIndex(b, in, i);
+          llvm::Type* t = ElemTy(m_.type(src).dtype);
+          llvm::Value* loaded = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), idx));
+          val[v] = Widen(b, loaded, m_.type(src).dtype);
+          continue;
+        }
+        std::vector<llvm::Value*> x;
+        for (ValueId o : in.operands) x.push_back(operand(o));
+        val[v] = Lower(b, in, x);
+        if (in.type.dtype == DType::kBF16) val[v] = RoundBf16(b, val[v]);
+      }
+      for (size_t j = 0; j < k.outputs.size(); ++j) {
+        const ValueId v = k.outputs[j];
+        llvm::Type* t = ElemTy(m_.type(v).dtype);
+        llvm::Value* x = m_.type(v).dtype == DType::kBF16 ? Bf16Bits(b, val.at(v)) : val.at(v);  // exact: rounded above
+        b.CreateStore(x, b.CreateInBoundsGEP(t, f->getArg(static_cast<unsigned>(nin + j)), i));
+      }
+    };
+
     llvm::BasicBlock* loop = llvm::BasicBlock::Create(ctx_, "loop", f, exit);
+    llvm::BasicBlock* latch = rows ? llvm::BasicBlock::Create(ctx_, "row.next", f, exit) : nullptr;
     llvm::BasicBlock* pre = b.GetInsertBlock();
-    if (rows) b.CreateBr(loop);
-    else b.CreateCondBr(b.CreateICmpSLT(begin, end), loop, exit);
+    if (rows && row <= kShortRow) {
+      // A whole short row (channels-last batch norm's rows of C = 16-64 elements) runs a loop of
+      // constant trip count, which LLVM vectorises with no remainder; a partial row (a chunk's ends),
+      // the general loop.
+      llvm::BasicBlock* whole = llvm::BasicBlock::Create(ctx_, "row.whole", f, loop);
+      llvm::Value* full = b.CreateAnd(b.CreateICmpEQ(seg_begin, row_start), b.CreateICmpEQ(seg_end, row_end));
+      b.CreateCondBr(full, whole, loop);
+      b.SetInsertPoint(whole);
+      llvm::PHINode* j = b.CreatePHI(b.getInt64Ty(), 2, "j");
+      j->addIncoming(b.getInt64(0), pre);
+      element(b.CreateAdd(row_start, j));
+      llvm::Value* jn = b.CreateAdd(j, b.getInt64(1), "jn", /*HasNUW=*/true, /*HasNSW=*/true);
+      j->addIncoming(jn, b.GetInsertBlock());
+      b.CreateCondBr(b.CreateICmpSLT(jn, b.getInt64(row)), whole, latch);
+    } else if (rows) {
+      b.CreateBr(loop);
+    } else {
+      b.CreateCondBr(b.CreateICmpSLT(begin, end), loop, exit);
+    }
 
     b.SetInsertPoint(loop);
     llvm::PHINode* i = b.CreatePHI(b.getInt64Ty(), 2, "i");
     i->addIncoming(rows ? static_cast<llvm::Value*>(seg_begin) : begin, pre);
-    std::unordered_map<ValueId, llvm::Value*> val = val_outer;
-    auto operand = [&](ValueId o) -> llvm::Value* {
-      if (auto it = val.find(o); it != val.end()) return it->second;
-      if (auto it = scalar.find(o); it != scalar.end()) return it->second;
-      const ir::Instr& in = m_.at(o);
-      if (in.op == OpCode::kConstant) {
-        const double c = in.GetFloat("value");
-        if (in.type.dtype == DType::kBF16)
-          return llvm::ConstantFP::get(b.getFloatTy(), runtime::RoundToBf16(static_cast<float>(c)));
-        return in.type.dtype == DType::kF32 ? static_cast<llvm::Value*>(llvm::ConstantFP::get(b.getFloatTy(), static_cast<float>(c)))
-                                            : b.getInt32(static_cast<uint32_t>(ToS32(c)));
-      }
-      auto it = input_arg.find(o);
-      SS_CHECK(it != input_arg.end(), "kernel ", k.name, " has no input %", o);
-      llvm::Type* t = ElemTy(in.type.dtype);
-      llvm::Value* v = Widen(b, b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(it->second), i)), in.type.dtype);
-      val[o] = v;
-      return v;
-    };
-    for (ValueId v : k.members) {
-      const ir::Instr& in = m_.at(v);
-      if (val.count(v)) continue;  // a broadcast constant along the row
-      if (Gathers(in, scalar)) {
-        const ValueId src = in.operands[0];
-        llvm::Value* idx = rows ? b.CreateAdd(i, offset.at(v)) : GatherIndex(b, in, i);
-        llvm::Type* t = ElemTy(m_.type(src).dtype);
-        llvm::Value* loaded = b.CreateLoad(t, b.CreateInBoundsGEP(t, f->getArg(input_arg.at(src)), idx));
-        val[v] = Widen(b, loaded, m_.type(src).dtype);
-        continue;
-      }
-      std::vector<llvm::Value*> x;
-      for (ValueId o : in.operands) x.push_back(operand(o));
-      val[v] = Lower(b, in, x);
-      if (in.type.dtype == DType::kBF16) val[v] = RoundBf16(b, val[v]);
-    }
-    for (size_t j = 0; j < k.outputs.size(); ++j) {
-      const ValueId v = k.outputs[j];
-      llvm::Type* t = ElemTy(m_.type(v).dtype);
-      llvm::Value* x = m_.type(v).dtype == DType::kBF16 ? Bf16Bits(b, val.at(v)) : val.at(v);  // exact: rounded above
-      b.CreateStore(x, b.CreateInBoundsGEP(t, f->getArg(static_cast<unsigned>(nin + j)), i));
-    }
+    element(i);
     llvm::Value* next = b.CreateAdd(i, b.getInt64(1), "next", /*HasNUW=*/true, /*HasNSW=*/true);
     i->addIncoming(next, b.GetInsertBlock());
     if (!rows) {
       b.CreateCondBr(b.CreateICmpSLT(next, end), loop, exit);
     } else {
-      llvm::BasicBlock* latch = llvm::BasicBlock::Create(ctx_, "row.next", f, exit);
       b.CreateCondBr(b.CreateICmpSLT(next, seg_end), loop, latch);
       b.SetInsertPoint(latch);
       seg_begin->addIncoming(seg_end, latch);

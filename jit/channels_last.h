@@ -1,0 +1,31 @@
+// ChannelsLast: the JIT's rewrite of a step's convolutions and the loops between them to NHWC.
+//
+// oneDNN's direct convolution kernels want channels innermost. On the IR's NCHW activations every call
+// reordered its input to a blocked layout and its output back (bench/conv, resnet20's step: 107-114 ms
+// of convolutions with the reorders, 82-86 ms without). This rewrite runs those convolutions on NHWC
+// activations (jit_nhwc=1, ConvPath::kDnnlChannelsLast) and carries NHWC through what lies between
+// them: elementwise ops (batch norm's arithmetic, relu and its mask, the residual adds, bf16 rounding),
+// broadcasts of per-channel values (their dims remapped) and reductions whose kept dimensions keep
+// their order (batch norm's sums over N, H, W; global average pooling over H, W). A value needed NCHW
+// elsewhere (a reshape, a pooling op, a one-channel stem convolution) is transposed back where it is
+// read; a transpose of a transpose is never made.
+//
+// Elementwise ops compute the same values in another order of elements, so they keep their bits; a
+// reduction sums the same terms in the order of its new layout (within the conformance tolerance of
+// the interpreter's, as before: reductions accumulate in f64), the same on every run and thread count.
+#pragma once
+
+#include "ir/module.h"
+
+namespace shardstep::jit {
+
+// The attribute marking a convolution whose activation operands and result are NHWC ([N,H,W,C]); its
+// attributes (stride, padding, input_shape, filter_shape) and weights keep the IR's NCHW/OIHW meaning.
+inline constexpr const char* kNhwcAttr = "jit_nhwc";
+
+// Rewrites f32 convolutions with at least 8 input and 8 output channels that oneDNN has an NHWC kernel
+// for, and their neighbourhood as above, when the module has at least two such forward convolutions.
+// Returns the convolutions rewritten.
+int ConvolutionsChannelsLast(ir::Module& m);
+
+}  // namespace shardstep::jit

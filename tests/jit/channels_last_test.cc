@@ -1,0 +1,182 @@
+// The JIT's channels-last rewrite (jit/channels_last.h): convolutions with >= 8 channels run on NHWC
+// activations, and so do the loops and reductions between them, with transposes only where a value
+// enters or leaves that region. Checked on a residual block with batch norm's arithmetic, both
+// convolution gradients and a global average pool: which ops were rewritten, the interpreter's values
+// (within the sums' rounding), the same bits twice and on one thread, and an inf weight meeting padding
+// giving the interpreter's NaNs through the NHWC kernels.
+#include <catch2/catch.hpp>
+#include <tbb/global_control.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "ir/builder.h"
+#include "ir/printer.h"
+#include "jit/channels_last.h"
+#include "jit/compiled_step.h"
+#include "runtime/interpreter.h"
+
+using namespace shardstep;
+using ir::DType;
+using ir::IntList;
+using ir::OpCode;
+using ir::ValueId;
+using runtime::Tensor;
+using runtime::TensorMap;
+
+namespace {
+
+constexpr int64_t kN = 5, kC = 16, kH = 6, kW = 7;
+
+Tensor RandomF32(ir::Shape s, uint32_t seed) {
+  Tensor t(ir::TensorType{DType::kF32, std::move(s)});
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (float& v : t.f32) v = u(rng);
+  return t;
+}
+
+// x -> conv(w1) -> batch-norm arithmetic (mean and variance over N, H, W) -> + a per-position bias
+// -> relu -> conv(w2) -> + x
+// -> relu = y; dy (an input) through the second convolution's input and filter gradients and relu's
+// mask; the global average pool of y. Every convolution has 16 channels on both sides.
+ir::Module ResidualBlock() {
+  ir::Module m;
+  m.name = "residual block";
+  ir::Builder b(&m);
+  const ir::Shape act{kN, kC, kH, kW}, filt{kC, kC, 3, 3};
+  const auto x = b.Input("x", {DType::kF32, act});
+  const auto dy = b.Input("dy", {DType::kF32, act});
+  const auto w1 = b.Variable("w1", {DType::kF32, filt}, ir::kRoleWeight);
+  const auto w2 = b.Variable("w2", {DType::kF32, filt}, ir::kRoleWeight);
+  const auto gamma = b.Variable("gamma", {DType::kF32, {kC}}, ir::kRoleWeight);
+  const ir::Attrs same{{"stride", IntList{1, 1}}, {"padding", IntList{1, 1}}};
+  auto per_channel = [&](ValueId v) { return b.Broadcast(v, act, {1}); };
+  const auto c1 = b.Emit(OpCode::kConv2d, {x, w1}, same);
+  const auto centred = b.Sub(c1, per_channel(b.ReduceMean(c1, {0, 2, 3})));
+  const auto var = b.ReduceMean(b.Mul(centred, centred), {0, 2, 3});
+  const auto scale = b.Mul(gamma, b.Unary(OpCode::kRsqrt, b.AddScalar(var, 1e-5)));
+  const auto bias = b.Variable("bias", {DType::kF32, {kH, kW}}, ir::kRoleWeight);  // per position: H, W remapped
+  const auto h = b.Unary(OpCode::kRelu, b.Add(b.Mul(centred, per_channel(scale)), b.Broadcast(bias, act, {2, 3})));
+  const auto c2 = b.Emit(OpCode::kConv2d, {h, w2}, same);
+  const auto y = b.Unary(OpCode::kRelu, b.Add(c2, x));
+  const auto mask = b.Emit(OpCode::kGt, {y, b.ScalarLike(0.0, y)});
+  const auto g = b.Mul(dy, mask);
+  ir::Attrs ig = same, fg = same;
+  ig["input_shape"] = IntList(act.begin(), act.end());
+  fg["filter_shape"] = IntList(filt.begin(), filt.end());
+  m.outputs.push_back({"y", y});
+  m.outputs.push_back({"dh", b.Emit(OpCode::kConv2dInputGrad, {g, w2}, ig)});
+  m.outputs.push_back({"dw2", b.Emit(OpCode::kConv2dFilterGrad, {h, g}, fg)});
+  m.outputs.push_back({"pool", b.ReduceMean(y, {2, 3})});
+  m.outputs.push_back({"var", var});
+  m.outputs.push_back({"sum0", b.ReduceSum(y, {0})});  // [C, H, W]: kept in NCHW's order, so read NCHW
+  return m;
+}
+
+TensorMap Inputs() {
+  return {{"x", RandomF32({kN, kC, kH, kW}, 1)}, {"dy", RandomF32({kN, kC, kH, kW}, 2)}};
+}
+TensorMap Variables() {
+  return {{"w1", RandomF32({kC, kC, 3, 3}, 3)}, {"w2", RandomF32({kC, kC, 3, 3}, 4)}, {"gamma", RandomF32({kC}, 5)},
+          {"bias", RandomF32({kH, kW}, 6)}};
+}
+
+TensorMap Jit(const ir::Module& m, bool channels_last, TensorMap vars, const TensorMap& in) {
+  jit::JitOptions o{"", /*disk_cache=*/false};
+  o.channels_last = channels_last;
+  jit::Workspace ws;
+  return jit::CompiledStep::Compile(m, o)->Run(vars, in, 0, nullptr, &ws);
+}
+
+// max |a - b| over the tensor, relative to its largest |b| (sums of up to 16 * 9 products, or the
+// filter gradient's kN * kH * kW, in another order than the interpreter's).
+double RelativeError(const Tensor& a, const Tensor& b) {
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < b.f32.size(); ++i) {
+    worst = std::max<double>(worst, std::abs(a.f32[i] - b.f32[i]));
+    scale = std::max<double>(scale, std::abs(b.f32[i]));
+  }
+  return worst / scale;
+}
+
+}  // namespace
+
+TEST_CASE("channels-last: the convolutions and the loops between them run NHWC, transposed only at the edges",
+          "[jit][conv]") {
+  const ir::Module m = ResidualBlock();
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  const ir::Module& jm = step->module();
+  INFO(ir::Print(jm));
+  CHECK(step->info().channels_last_convs == 4);  // both forward convolutions and both gradients
+  int transposes = 0, nhwc_convs = 0, nchw_loops = 0;
+  for (ValueId v = 0; v < jm.size(); ++v) {
+    const ir::Instr& in = jm.at(v);
+    transposes += in.op == OpCode::kTranspose;
+    if (in.op == OpCode::kConv2d || in.op == OpCode::kConv2dInputGrad || in.op == OpCode::kConv2dFilterGrad)
+      nhwc_convs += in.GetInt(jit::kNhwcAttr, 0) == 1;
+    // Between the convolutions, no 4-d loop computes in NCHW (the batch-norm arithmetic, relu, the
+    // residual add, relu's mask): the only NCHW 4-d values are the inputs and the results transposed back.
+    if (in.type.rank() == 4 && ir::HasProperty(in.op, ir::kElementwise)) nchw_loops += in.type.shape[1] == kC;
+  }
+  CHECK(nhwc_convs == 4);
+  CHECK(nchw_loops == 0);
+  // In: x and dy. Out: y and dh. (w and the pool's, batch norm's and the filter gradient's results are not
+  // activations.)
+  CHECK(transposes == 4);
+
+  const TensorMap in = Inputs(), vars = Variables();
+  TensorMap ref_vars = vars;
+  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
+  const TensorMap nhwc = Jit(m, true, vars, in), nchw = Jit(m, false, vars, in);
+  for (const char* k : {"y", "dh", "dw2", "pool", "var", "sum0"}) {
+    INFO(k);
+    CHECK(nhwc.at(k).type == ref.at(k).type);
+    CHECK(RelativeError(nhwc.at(k), ref.at(k)) <= 1e-5);
+    CHECK(RelativeError(nchw.at(k), ref.at(k)) <= 1e-5);
+  }
+  TensorMap again = Jit(m, true, vars, in), one;
+  {
+    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    one = Jit(m, true, vars, in);
+  }
+  for (const char* k : {"y", "dh", "dw2", "pool", "var", "sum0"}) {
+    INFO(k);
+    CHECK(std::memcmp(nhwc.at(k).raw(), again.at(k).raw(), nhwc.at(k).bytes()) == 0);
+    CHECK(std::memcmp(nhwc.at(k).raw(), one.at(k).raw(), nhwc.at(k).bytes()) == 0);
+  }
+}
+
+TEST_CASE("channels-last: an inf weight meeting padding gives the interpreter's NaNs", "[jit][conv]") {
+  const ir::Module m = ResidualBlock();
+  const TensorMap in = Inputs();
+  TensorMap vars = Variables();
+  vars["w1"].f32[4 * 9 + 0] = INFINITY;  // output channel 4, input channel 0, the top-left tap: meets padding
+  TensorMap ref_vars = vars;
+  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
+  const TensorMap got = Jit(m, true, vars, in);
+  int nans = 0;
+  for (const char* k : {"y", "dh", "dw2", "pool", "var", "sum0"}) {
+    const Tensor &a = got.at(k), &r = ref.at(k);
+    for (size_t i = 0; i < r.f32.size(); ++i) {
+      INFO(k << "[" << i << "]: " << a.f32[i] << " vs the interpreter's " << r.f32[i]);
+      REQUIRE(std::isnan(a.f32[i]) == std::isnan(r.f32[i]));
+      REQUIRE(std::isinf(a.f32[i]) == std::isinf(r.f32[i]));
+      nans += std::isnan(r.f32[i]);
+    }
+  }
+  CHECK(nans > 0);
+}
+
+TEST_CASE("channels-last: a convolution with fewer than 8 channels stays NCHW", "[jit][conv]") {
+  ir::Module m;
+  ir::Builder b(&m);
+  const auto x = b.Input("x", {DType::kF32, {2, 1, 6, 6}});
+  const auto w = b.Variable("w", {DType::kF32, {16, 1, 3, 3}}, ir::kRoleWeight);
+  m.outputs.push_back({"y", b.Unary(OpCode::kRelu, b.Emit(OpCode::kConv2d, {x, w}, {{"stride", IntList{1, 1}},
+                                                                                     {"padding", IntList{1, 1}}}))});
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  CHECK(step->info().channels_last_convs == 0);
+  for (ValueId v = 0; v < step->module().size(); ++v) CHECK(step->module().at(v).op != OpCode::kTranspose);
+}
