@@ -27,7 +27,7 @@ using runtime::TensorMap;
 
 namespace {
 
-constexpr int64_t kN = 5, kC = 16, kH = 6, kW = 7;
+constexpr int64_t kN = 5, kH = 6, kW = 7;
 
 Tensor RandomF32(ir::Shape s, uint32_t seed) {
   Tensor t(ir::TensorType{DType::kF32, std::move(s)});
@@ -40,8 +40,9 @@ Tensor RandomF32(ir::Shape s, uint32_t seed) {
 // x -> conv(w1) -> batch-norm arithmetic (mean and variance over N, H, W) -> + a per-position bias
 // -> relu -> conv(w2) -> + x
 // -> relu = y; dy (an input) through the second convolution's input and filter gradients and relu's
-// mask; the global average pool of y. Every convolution has 16 channels on both sides.
-ir::Module ResidualBlock() {
+// mask; the global average pool of y. Every convolution has kC channels on both sides (16: NHWC is
+// oneDNN's nChw16c; 32: its nhwc kernels).
+ir::Module ResidualBlock(int64_t kC) {
   ir::Module m;
   m.name = "residual block";
   ir::Builder b(&m);
@@ -75,10 +76,10 @@ ir::Module ResidualBlock() {
   return m;
 }
 
-TensorMap Inputs() {
+TensorMap Inputs(int64_t kC) {
   return {{"x", RandomF32({kN, kC, kH, kW}, 1)}, {"dy", RandomF32({kN, kC, kH, kW}, 2)}};
 }
-TensorMap Variables() {
+TensorMap Variables(int64_t kC) {
   return {{"w1", RandomF32({kC, kC, 3, 3}, 3)}, {"w2", RandomF32({kC, kC, 3, 3}, 4)}, {"gamma", RandomF32({kC}, 5)},
           {"bias", RandomF32({kH, kW}, 6)}};
 }
@@ -105,7 +106,9 @@ double RelativeError(const Tensor& a, const Tensor& b) {
 
 TEST_CASE("channels-last: the convolutions and the loops between them run NHWC, transposed only at the edges",
           "[jit][conv]") {
-  const ir::Module m = ResidualBlock();
+  const int64_t kC = GENERATE(16, 32);
+  INFO(kC << " channels");
+  const ir::Module m = ResidualBlock(kC);
   auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
   const ir::Module& jm = step->module();
   INFO(ir::Print(jm));
@@ -126,7 +129,7 @@ TEST_CASE("channels-last: the convolutions and the loops between them run NHWC, 
   // activations.)
   CHECK(transposes == 4);
 
-  const TensorMap in = Inputs(), vars = Variables();
+  const TensorMap in = Inputs(kC), vars = Variables(kC);
   TensorMap ref_vars = vars;
   const TensorMap ref = runtime::RunStep(m, ref_vars, in);
   const TensorMap nhwc = Jit(m, true, vars, in), nchw = Jit(m, false, vars, in);
@@ -149,9 +152,11 @@ TEST_CASE("channels-last: the convolutions and the loops between them run NHWC, 
 }
 
 TEST_CASE("channels-last: an inf weight meeting padding gives the interpreter's NaNs", "[jit][conv]") {
-  const ir::Module m = ResidualBlock();
-  const TensorMap in = Inputs();
-  TensorMap vars = Variables();
+  const int64_t kC = GENERATE(16, 32);
+  INFO(kC << " channels");
+  const ir::Module m = ResidualBlock(kC);
+  const TensorMap in = Inputs(kC);
+  TensorMap vars = Variables(kC);
   vars["w1"].f32[4 * 9 + 0] = INFINITY;  // output channel 4, input channel 0, the top-left tap: meets padding
   TensorMap ref_vars = vars;
   const TensorMap ref = runtime::RunStep(m, ref_vars, in);
