@@ -243,8 +243,20 @@ template <typename T>
 }
 // Column over `rows` consecutive rows of n elements into the same part[0, n): channels-last batch
 // norm's sums (rows of C = 16-64 channels, one call per window instead of one per row).
+// For n of 16, 32 or 64 (resnet's channel counts) the n sums stay in registers over the rows.
+template <int64_t N, typename T>
+[[gnu::always_inline]] inline void ColumnRowsFixed(const T* xs, int64_t rows, double* part) {
+  double acc[N];
+  for (int64_t k = 0; k < N; ++k) acc[k] = part[k];
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < N; ++k) acc[k] += xs[r * N + k];
+  for (int64_t k = 0; k < N; ++k) part[k] = acc[k];
+}
 template <typename T>
 [[gnu::always_inline]] inline void ColumnRowsBody(const T* xs, int64_t rows, int64_t n, double* part) {
+  if (n == 16) return ColumnRowsFixed<16>(xs, rows, part);
+  if (n == 32) return ColumnRowsFixed<32>(xs, rows, part);
+  if (n == 64) return ColumnRowsFixed<64>(xs, rows, part);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < n; ++k) part[k] += xs[r * n + k];
 }
