@@ -1,9 +1,11 @@
 // bench/conv: resnet20's convolutions (batch 128, 28x28 input) forward, input gradient and filter
-// gradient on the CPU JIT's five paths, measured in one run: im2col + sgemm per image (the old path),
+// gradient on the CPU JIT's six paths, measured in one run: im2col + sgemm per image (the old path),
 // oneDNN's convolution primitives on plain NCHW/OIHW memory, on oneDNN's blocked layouts with the
 // reorders from and to NCHW/OIHW included, oneDNN's Winograd kernels on those layouts (3x3
-// stride-1 convolutions only), and the stem loops (one input channel; jit/stem_conv.h; also on the
-// CNN's 32-channel stem, which is not in resnet20's step count). Each path runs as the step runs it (blocks of images as TBB
+// stride-1 convolutions only), the stem loops (one input channel; jit/stem_conv.h; also on the
+// CNN's 32-channel stem, which is not in resnet20's step count), and oneDNN on NHWC activations (the
+// channels-last path a step takes for >= 8 channels, jit/channels_last.h: its operands and result
+// are NHWC, so no reorder is timed; its result is transposed back for the checks). Each path runs as the step runs it (blocks of images as TBB
 // tasks, one OpenMP thread per oneDNN call). Medians of wall time over --reps calls, the paths
 // measured alternately so machine noise hits all alike; ratios are against im2col. It also checks
 // the numbers: each path against im2col (max |diff| relative to the largest |value|), the same bits
@@ -49,6 +51,22 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// NCHW <-> NHWC of n images of c channels and p pixels.
+std::vector<float> ToNhwc(const std::vector<float>& x, int64_t n, int64_t c, int64_t p) {
+  std::vector<float> y(x.size());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t j = 0; j < p; ++j) y[(i * p + j) * c + k] = x[(i * c + k) * p + j];
+  return y;
+}
+std::vector<float> ToNchw(const std::vector<float>& x, int64_t n, int64_t c, int64_t p) {
+  std::vector<float> y(x.size());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
+  return y;
+}
+
 bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
 }
@@ -69,13 +87,14 @@ int main(int argc, char** argv) {
   const ConvKind kinds[] = {ConvKind::kForward, ConvKind::kInputGrad, ConvKind::kFilterGrad};
   const char* kind_names[] = {"forward", "input-grad", "filter-grad"};
   const ConvPath paths[] = {ConvPath::kIm2col, ConvPath::kDnnlPlain, ConvPath::kDnnlBlocked, ConvPath::kDnnlWinograd,
-                            ConvPath::kStem};
-  constexpr int kPaths = 5;
+                            ConvPath::kStem, ConvPath::kDnnlChannelsLast};
+  constexpr int kPaths = 6, kNhwc = 5;
   std::printf("image %lldx%lld, batch %lld, %d reps, %d hardware threads; median ms per call, ratio vs im2col\n",
               static_cast<long long>(image), static_cast<long long>(image), static_cast<long long>(batch), reps, jit::NumCores());
-  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col", "plain", "ratio",
-              "blocked", "ratio", "winograd", "ratio", "stem", "ratio", "preferred", "checks (max rel diff vs im2col; bits)");
-  double step_old = 0, step_new = 0;
+  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col", "plain",
+              "ratio", "blocked", "ratio", "winograd", "ratio", "stem", "ratio", "nhwc", "ratio", "preferred",
+              "checks (max rel diff vs im2col; bits)");
+  double step_old = 0, step_new = 0, step_nhwc = 0;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uni(-1, 1);
   bool all_ok = true;
@@ -89,16 +108,23 @@ int main(int argc, char** argv) {
     for (float& v : x) v = uni(rng);
     for (float& v : w) v = uni(rng);
     for (float& v : dy) v = uni(rng);
+    const std::vector<float> x_nhwc = ToNhwc(x, g.n, g.c, g.h * g.w), dy_nhwc = ToNhwc(dy, g.n, g.o, g.p());
     for (int ki = 0; ki < 3; ++ki) {
       const ConvKind kind = kinds[ki];
       if (kind == ConvKind::kInputGrad && l.c == 1) continue;  // the step needs no gradient of the images
       const float* a = kind == ConvKind::kInputGrad ? dy.data() : x.data();
       const float* b = kind == ConvKind::kFilterGrad ? dy.data() : w.data();
+      // The channels-last path's operands: the activations NHWC.
+      const float* a_nhwc = kind == ConvKind::kInputGrad ? dy_nhwc.data() : x_nhwc.data();
+      const float* b_nhwc = kind == ConvKind::kFilterGrad ? dy_nhwc.data() : w.data();
+      auto A = [&](int p) { return p == kNhwc ? a_nhwc : a; };
+      auto B = [&](int p) { return p == kNhwc ? b_nhwc : b; };
       const size_t out_size = kind == ConvKind::kForward ? dy.size() : kind == ConvKind::kInputGrad ? x.size() : w.size();
       // Every path that takes the shape (oneDNN's Winograd only 3x3 stride-1 ones with channels in 16s).
       std::vector<std::unique_ptr<jit::ConvKernel>> kernels;
       for (ConvPath p : paths) {
         try {
+          if (p == ConvPath::kDnnlChannelsLast && (g.c % 8 != 0 || g.o % 8 != 0)) throw Error("not rewritten");
           kernels.push_back(std::make_unique<jit::ConvKernel>(kind, g, p));
         } catch (const Error&) {
           kernels.push_back(nullptr);
@@ -107,26 +133,32 @@ int main(int argc, char** argv) {
       std::vector<std::vector<float>> out(kPaths, std::vector<float>(out_size));
       std::vector<double> ms[kPaths];
       for (int p = 0; p < kPaths; ++p)
-        if (kernels[p]) kernels[p]->Run(a, b, out[p].data());  // warm-up (per-thread state)
+        if (kernels[p]) kernels[p]->Run(A(p), B(p), out[p].data());  // warm-up (per-thread state)
       for (int r = 0; r < reps; ++r)
         for (int p = 0; p < kPaths; ++p) {
           if (!kernels[p]) continue;
           const auto t0 = std::chrono::steady_clock::now();
-          kernels[p]->Run(a, b, out[p].data());
+          kernels[p]->Run(A(p), B(p), out[p].data());
           ms[p].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e3);
         }
-      // Checks: each path against im2col; the same bits again, and on one TBB thread.
+      // Checks: each path against im2col (the channels-last result transposed back to NCHW); the same
+      // bits again, and on one TBB thread.
+      auto nchw = [&](const std::vector<float>& v) {
+        if (kind == ConvKind::kFilterGrad) return v;
+        return kind == ConvKind::kForward ? ToNchw(v, g.n, g.o, g.p()) : ToNchw(v, g.n, g.c, g.h * g.w);
+      };
       float scale = 0;
       for (float v : out[0]) scale = std::max(scale, std::fabs(v));
       std::string checks;
-      const char* short_names[] = {"im2col", "plain", "blocked", "winograd", "stem"};
+      const char* short_names[] = {"im2col", "plain", "blocked", "winograd", "stem", "nhwc"};
       for (int p = 1; p < kPaths; ++p) {
         if (!kernels[p]) continue;
         double diff = 0;
-        for (size_t i = 0; i < out_size; ++i) diff = std::max(diff, static_cast<double>(std::fabs(out[p][i] - out[0][i])));
+        const std::vector<float> mine = p == kNhwc ? nchw(out[p]) : out[p];
+        for (size_t i = 0; i < out_size; ++i) diff = std::max(diff, static_cast<double>(std::fabs(mine[i] - out[0][i])));
         std::vector<float> again(out_size), one(out_size);
-        kernels[p]->Run(a, b, again.data());
-        tbb::task_arena(1).execute([&] { kernels[p]->Run(a, b, one.data()); });
+        kernels[p]->Run(A(p), B(p), again.data());
+        tbb::task_arena(1).execute([&] { kernels[p]->Run(A(p), B(p), one.data()); });
         const bool same = SameBits(again, out[p]) && SameBits(one, out[p]);
         all_ok &= same && diff <= 1e-5 * scale;
         char buf[96];
@@ -141,14 +173,16 @@ int main(int argc, char** argv) {
       SS_CHECK(kernels[ci], "the preferred path ", jit::ConvPathName(chosen), " does not take ", l.name);
       step_old += l.count * m[0];
       step_new += l.count * m[ci];
-      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s]\n", l.name, kind_names[ki],
-                  m[0], m[1], m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], m[4], m[4] / m[0], jit::ConvPathName(chosen),
-                  checks.c_str(),
-                  kernels[ci]->Describe().c_str());
+      step_nhwc += l.count * (kernels[kNhwc] ? m[kNhwc] : m[ci]);  // resnet20's step has two forward ones: rewritten
+      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s%s%s]\n", l.name,
+                  kind_names[ki], m[0], m[1], m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], m[4], m[4] / m[0],
+                  m[kNhwc], m[kNhwc] / m[0], jit::ConvPathName(chosen), checks.c_str(), kernels[ci]->Describe().c_str(),
+                  kernels[kNhwc] ? "; " : "", kernels[kNhwc] ? kernels[kNhwc]->Describe().c_str() : "");
     }
   }
-  std::printf("resnet20 step's convolutions (each layer x its count): im2col %.2f ms, preferred paths %.2f ms, ratio %.2f\n",
-              step_old, step_new, step_new / step_old);
+  std::printf("resnet20 step's convolutions (each layer x its count): im2col %.2f ms, preferred NCHW paths %.2f ms (ratio %.2f), "
+              "channels-last as the step runs them (nhwc where it applies: no reorders of the activations) %.2f ms (ratio %.2f)\n",
+              step_old, step_new, step_new / step_old, step_nhwc, step_nhwc / step_old);
   std::printf("checks: %s\n", all_ok ? "all paths within 1e-5 of im2col, deterministic and thread-count independent"
                                      : "FAILED (see the rows)");
   return all_ok ? 0 : 1;
