@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "ir/error.h"
+#include "jit/data_movement.h"
 #include "jit/dnnl_conv.h"
 #include "jit/dnnl_kernels.h"
 
@@ -54,16 +55,12 @@ double Median(std::vector<double> v) {
 // NCHW <-> NHWC of n images of c channels and p pixels.
 std::vector<float> ToNhwc(const std::vector<float>& x, int64_t n, int64_t c, int64_t p) {
   std::vector<float> y(x.size());
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = 0; k < c; ++k)
-      for (int64_t j = 0; j < p; ++j) y[(i * p + j) * c + k] = x[(i * c + k) * p + j];
+  jit::NchwToNhwc(x.data(), n, c, p, y.data());
   return y;
 }
 std::vector<float> ToNchw(const std::vector<float>& x, int64_t n, int64_t c, int64_t p) {
   std::vector<float> y(x.size());
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = 0; k < c; ++k)
-      for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
+  jit::NhwcToNchw(x.data(), n, c, p, y.data());
   return y;
 }
 

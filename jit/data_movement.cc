@@ -82,6 +82,17 @@ Strides RowIndex(const Shape& shape, int64_t row) {
 
 }  // namespace
 
+void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t j = 0; j < p; ++j) y[(i * p + j) * c + k] = x[(i * c + k) * p + j];
+}
+void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
+}
+
 // dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
 void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
   const int64_t total = ir::NumElements(shape);

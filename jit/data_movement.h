@@ -36,6 +36,11 @@ class Strides {
 // Row-major strides of `s`.
 Strides RowMajor(const ir::Shape& s);
 
+// n images of c channels and p pixels, NCHW -> NHWC and back (plain loops: the channels-last
+// convolutions' rare exact calls, bench/conv).
+void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y);
+void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y);
+
 // dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
 void StridedGather(const ir::Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst);
 // dst viewed through `ds` = src (row-major over `shape`).

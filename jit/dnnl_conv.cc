@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "ir/error.h"
+#include "jit/data_movement.h"
 #include "jit/dnnl_kernels.h"
 #include "jit/stem_conv.h"
 
@@ -371,20 +372,6 @@ bool AnyNonFinite(const float* v, int64_t n) {
   uint32_t found = 0;
   for (int64_t i = 0; i < n; ++i) found |= static_cast<uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u);
   return found != 0;
-}
-}  // namespace
-
-namespace {
-// NHWC <-> NCHW for `n` images of c channels and p = h * w pixels.
-void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = 0; k < c; ++k)
-      for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
-}
-void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < p; ++j)
-      for (int64_t k = 0; k < c; ++k) y[(i * p + j) * c + k] = x[(i * c + k) * p + j];
 }
 }  // namespace
 
