@@ -400,6 +400,17 @@ bool AnyNonFinite(const float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) found |= static_cast<uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u);
   return found != 0;
 }
+
+// Whether one filter tap reads inside the image at every output position (no padding), in both
+// dimensions: its filter-gradient sums then take every output-gradient element.
+bool HasInteriorTap(const ConvShape& g) {
+  auto inside = [](int64_t k, int64_t stride, int64_t pad, int64_t in, int64_t out) {
+    for (int64_t i = 0; i < k; ++i)
+      if (i - pad >= 0 && (out - 1) * stride + i - pad <= in - 1) return true;
+    return false;
+  };
+  return g.oh > 0 && g.ow > 0 && inside(g.kh, g.sh, g.ph, g.h, g.oh) && inside(g.kw, g.sw, g.pw, g.w, g.ow);
+}
 }  // namespace
 
 // The im2col kernels on NCHW copies: the rare call whose padded taps meet an inf or a NaN (see Run).
@@ -458,17 +469,26 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
   // oneDNN skips the taps that fall on padding, where the interpreter multiplies a padded zero: an
   // inf or NaN weight (forward) or output gradient (filter gradient) then gives NaN there. Such calls
   // take the im2col path, which multiplies the zeros too. (The input gradient drops padded cells.)
+  // A filter gradient with a tap that reads inside the image at every output position checks its
+  // result instead of scanning the whole output gradient first (a serial pass over up to 6 MB per
+  // call): an inf or NaN in the gradient makes that tap's sums non-finite for every input channel.
   const bool padded = g_.ph > 0 || g_.pw > 0;
+  const bool check_result = padded && impl_ && kind_ == ConvKind::kFilterGrad && HasInteriorTap(g_);
   const bool exact_nonfinite = padded && impl_ &&
                                ((kind_ == ConvKind::kForward && AnyNonFinite(b, g_.o * g_.k())) ||
-                                (kind_ == ConvKind::kFilterGrad && AnyNonFinite(b, g_.n * g_.o * g_.p())));
-  if (exact_nonfinite && path_ == ConvPath::kDnnlChannelsLast) return RunExactChannelsLast(a, b, out);
-  if (!impl_ || exact_nonfinite) {
-    if (kind_ == ConvKind::kForward) Conv2dForward(g_, a, b, out);
-    else if (kind_ == ConvKind::kInputGrad) Conv2dInputGrad(g_, a, b, out);
-    else Conv2dFilterGrad(g_, a, b, out);
-    return;
+                                (kind_ == ConvKind::kFilterGrad && !check_result && AnyNonFinite(b, g_.n * g_.o * g_.p())));
+  if (impl_ && !exact_nonfinite) {
+    RunPrimitives(a, b, out);
+    if (!check_result || !AnyNonFinite(out, g_.o * g_.k())) return;
   }
+  if (path_ == ConvPath::kDnnlChannelsLast) return RunExactChannelsLast(a, b, out);
+  if (kind_ == ConvKind::kForward) Conv2dForward(g_, a, b, out);
+  else if (kind_ == ConvKind::kInputGrad) Conv2dInputGrad(g_, a, b, out);
+  else Conv2dFilterGrad(g_, a, b, out);
+}
+
+// oneDNN's primitives over the blocks of images (see the class comment).
+void ConvKernel::RunPrimitives(const float* a, const float* b, float* out) const {
   const Impl& im = *impl_;
   const ConvShape& g = g_;
   const int64_t xs = g.c * g.h * g.w, ys = g.o * g.p(), ws = g.o * g.k();

@@ -64,6 +64,7 @@ class ConvKernel {
  private:
   void RunExactChannelsLast(const float* a, const float* b, float* out) const;
   void RunTurned(const float* dy, const float* w, float* dx) const;
+  void RunPrimitives(const float* a, const float* b, float* out) const;
   ConvKind kind_;
   ConvShape g_;
   ConvPath path_;

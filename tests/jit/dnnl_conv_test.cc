@@ -155,26 +155,31 @@ TEST_CASE("oneDNN convolutions match the interpreter and give the same bits on a
 TEST_CASE("an inf weight or output gradient meeting padding gives the interpreter's NaNs on the oneDNN path",
           "[jit][conv]") {
   const float inf = std::numeric_limits<float>::infinity();
-  const Geometry g{3, 8, 8, 6, 6, 3, 3, 1, 1};
-  for (OpCode op : {OpCode::kConv2d, OpCode::kConv2dFilterGrad}) {
-    INFO(ir::OpName(op));
-    const ir::Module m = OneOp(op, g);
-    const ir::Instr& in = m.at(m.outputs[0].second);
-    TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, 3)},
-                     {"b", RandomF32(m.type(in.operands[1]).shape, 4)}};
-    inputs["b"].f32[5] = inf;  // a weight (forward) or an output gradient (filter gradient)
-    const Tensor want = Interpret(m, inputs);
-    Tensor got(want.type);
-    jit::ConvKernel(KindOf(op), ShapeOf(g), jit::ConvPath::kDnnlBlocked)
-        .Run(inputs["a"].f32.data(), inputs["b"].f32.data(), got.f32.data());
-    int64_t nans = 0;
-    for (float v : want.f32) nans += std::isnan(v);
-    CHECK(nans > 0);  // padded zeros times inf
-    const Tensor scale = Interpret(m, Abs(inputs));
-    const conformance::Verdict v = Compare(want, got, Tolerance::Sum(Terms(op, g)), &scale);
-    INFO(v.message);
-    CHECK(v.ok);
-  }
+  // The filter gradient checks its result where a tap reads no padding (the first two shapes, the
+  // second with stride 2) and scans the output gradient first where none does (the third: padding 2
+  // around a 1x1 image).
+  const Geometry geometry[] = {{3, 8, 8, 6, 6, 3, 3, 1, 1}, {3, 8, 8, 7, 7, 3, 3, 2, 1}, {2, 8, 8, 1, 1, 3, 3, 1, 2}};
+  for (const Geometry& g : geometry)
+    for (OpCode op : {OpCode::kConv2d, OpCode::kConv2dFilterGrad}) {
+      INFO(ir::OpName(op) << " " << g.h << "x" << g.w << " stride " << g.stride << " pad " << g.pad);
+      const ir::Module m = OneOp(op, g);
+      const ir::Instr& in = m.at(m.outputs[0].second);
+      TensorMap inputs{{"a", RandomF32(m.type(in.operands[0]).shape, 3)},
+                       {"b", RandomF32(m.type(in.operands[1]).shape, 4)}};
+      // A weight (forward) or an output gradient at a corner (filter gradient).
+      inputs["b"].f32[op == OpCode::kConv2d ? 5 : 0] = inf;
+      const Tensor want = Interpret(m, inputs);
+      Tensor got(want.type);
+      jit::ConvKernel(KindOf(op), ShapeOf(g), jit::ConvPath::kDnnlBlocked)
+          .Run(inputs["a"].f32.data(), inputs["b"].f32.data(), got.f32.data());
+      int64_t nans = 0;
+      for (float v : want.f32) nans += std::isnan(v);
+      CHECK(nans > 0);  // padded zeros times inf
+      const Tensor scale = Interpret(m, Abs(inputs));
+      const conformance::Verdict v = Compare(want, got, Tolerance::Sum(Terms(op, g)), &scale);
+      INFO(v.message);
+      CHECK(v.ok);
+    }
 }
 
 // Max pooling picks the first of equal values; its ties are exact where equal input patches give equal
