@@ -25,6 +25,7 @@
 #include "ir/error.h"
 #include "jit/data_movement.h"
 #include "jit/dnnl_conv.h"
+#include "jit/stem_conv.h"
 #include "jit/dnnl_kernels.h"
 
 using namespace shardstep;
@@ -121,7 +122,9 @@ int main(int argc, char** argv) {
       std::vector<std::unique_ptr<jit::ConvKernel>> kernels;
       for (ConvPath p : paths) {
         try {
-          if (p == ConvPath::kDnnlChannelsLast && (g.c % 8 != 0 || g.o % 8 != 0)) throw Error("not rewritten");
+          // (The channels-last rewrite takes >= 8 channels, and one-channel stems by the stem loops.)
+          const bool stem = kind != ConvKind::kInputGrad && jit::StemConvNhwcApplies(g);
+          if (p == ConvPath::kDnnlChannelsLast && (g.c % 8 != 0 || g.o % 8 != 0) && !stem) throw Error("not rewritten");
           kernels.push_back(std::make_unique<jit::ConvKernel>(kind, g, p));
         } catch (const Error&) {
           kernels.push_back(nullptr);

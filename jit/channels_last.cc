@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "jit/dnnl_conv.h"
+#include "jit/stem_conv.h"
 
 namespace shardstep::jit {
 namespace {
@@ -40,7 +41,7 @@ class Rewrite {
     // edges what it saves in oneDNN's reorders (its step was 2-4% slower NHWC): the rewrite needs
     // a stack of at least two forward convolutions it can take.
     int forward = 0;
-    for (ValueId u = 0; u < n; ++u) forward += m_.at(u).op == OpCode::kConv2d && Takes(u);
+    for (ValueId u = 0; u < n; ++u) forward += m_.at(u).op == OpCode::kConv2d && Takes(u) && !Stem(u);
     if (forward < 2) return 0;
     int convs = 0;
     for (ValueId u = 0; u < n; ++u) {
@@ -89,6 +90,11 @@ class Rewrite {
       t.attrs["shape"] = ir::IntList(Nhwc(in.type.shape));
     } else if (in.op == OpCode::kConstant && in.Has("value")) {
       t = in;
+    } else if (in.type.shape[1] == 1) {  // one channel (an image): the same bytes, no copy
+      t.op = OpCode::kReshape;
+      t.operands = {v};
+      t.attrs["shape"] = ir::IntList(Nhwc(in.type.shape));
+      t.type = in.type;
     } else {
       t.op = OpCode::kTranspose;
       t.operands = {v};
@@ -138,8 +144,11 @@ class Rewrite {
     const ConvKind kind = in.op == OpCode::kConv2d            ? ConvKind::kForward
                           : in.op == OpCode::kConv2dInputGrad ? ConvKind::kInputGrad
                                                               : ConvKind::kFilterGrad;
-    return g.c % 8 == 0 && g.o % 8 == 0 && PlannedChannelsLastConv(kind, g) != nullptr;
+    const bool stem = kind != ConvKind::kInputGrad && StemConvNhwcApplies(g);
+    return ((g.c % 8 == 0 && g.o % 8 == 0) || stem) && PlannedChannelsLastConv(kind, g) != nullptr;
   }
+  // A network's first convolution, over one input channel (the stem loops' channels-last form).
+  bool Stem(ValueId u) const { return m_.type(m_.at(u).operands[0]).shape[1] == 1; }
 
   int Conv(ValueId u) {
     if (!Takes(u)) return 0;

@@ -7,8 +7,10 @@
 // them: elementwise ops (batch norm's arithmetic, relu and its mask, the residual adds, bf16 rounding),
 // broadcasts of per-channel values (their dims remapped) and reductions whose kept dimensions keep
 // their order (batch norm's sums over N, H, W; global average pooling over H, W). A value needed NCHW
-// elsewhere (a reshape, a pooling op, a one-channel stem convolution) is transposed back where it is
-// read; a transpose of a transpose is never made.
+// elsewhere (a reshape, a pooling op) is transposed back where it is read; a transpose of a transpose
+// is never made. A network's first convolution over one input channel (a grey image) runs too, by the
+// stem loops' channels-last form (jit/stem_conv.h): its image is the same bytes in both layouts (a
+// reshape), and its output NHWC spares the transposes of the first stage's activations.
 //
 // Elementwise ops compute the same values in another order of elements, so they keep their bits; a
 // reduction sums the same terms in the order of its new layout (within the conformance tolerance of
@@ -24,7 +26,8 @@ namespace shardstep::jit {
 inline constexpr const char* kNhwcAttr = "jit_nhwc";
 
 // Rewrites f32 convolutions with at least 8 input and 8 output channels that oneDNN has an NHWC kernel
-// for, and their neighbourhood as above, when the module has at least two such forward convolutions.
+// for (and one-channel stems the stem loops take), and their neighbourhood as above, when the module
+// has at least two such forward convolutions besides a stem.
 // Returns the convolutions rewritten.
 int ConvolutionsChannelsLast(ir::Module& m);
 

@@ -347,6 +347,10 @@ ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_
                       "x", g.c, "x", g.kh, "x", g.kw));
     return;
   }
+  if (path == ConvPath::kDnnlChannelsLast && kind != ConvKind::kInputGrad && StemConvNhwcApplies(g)) {
+    stem_nhwc_ = true;
+    return;
+  }
   if (path == ConvPath::kDnnlChannelsLast && kind == ConvKind::kFilterGrad && Nhwc16FilterGradApplies(g)) {
     nhwc16_filter_grad_ = true;
     return;
@@ -388,6 +392,7 @@ ConvKernel::~ConvKernel() = default;
 
 std::string ConvKernel::Describe() const {
   if (nhwc16_filter_grad_) return Str(ConvPathName(path_), " nhwc16-avx512");
+  if (stem_nhwc_) return Str(ConvPathName(path_), " stem-avx512");
   if (turned_forward_) return Str(turned_forward_->Describe(), " (turned filter)");
   return impl_ ? impl_->describe : ConvPathName(path_);
 }
@@ -449,6 +454,11 @@ void ConvKernel::RunTurned(const float* dy, const float* w, float* dx) const {
 }
 
 void ConvKernel::Run(const float* a, const float* b, float* out) const {
+  if (stem_nhwc_) {  // multiplies padded zeros, as the interpreter does
+    if (kind_ == ConvKind::kForward) StemConvForwardNhwc(g_, a, b, out);
+    else StemConvFilterGradNhwc(g_, a, b, out);
+    return;
+  }
   if (nhwc16_filter_grad_) {
     Nhwc16FilterGrad(g_, a, b, out);
     // The loops skip the taps on padding. An inf or NaN in the output gradient makes every output

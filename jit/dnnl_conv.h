@@ -22,7 +22,8 @@ enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // kStem: direct AVX-512 loops for a 3x3 stride-1 convolution over one input channel (jit/stem_conv.h;
 // the forward pass and the filter gradient). kDnnlChannelsLast: oneDNN's direct kernels on activations
 // stored NHWC (the JIT's channels-last form, jit/channels_last.h), read and written in place: only the
-// weights are reordered. On that path the 16 -> 16 channel 3x3 stride-1 convolutions (resnet20's first
+// weights are reordered. On that path a one-channel stem takes the stem loops' channels-last form, and
+// the 16 -> 16 channel 3x3 stride-1 convolutions (resnet20's first
 // stage) take two faster routes: the filter gradient our own AVX-512 loops (jit/nhwc16_filter_grad.h),
 // the input gradient oneDNN's forward kernel with the filter turned (see ConvKernel::RunTurned).
 enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd, kStem, kDnnlChannelsLast };
@@ -68,8 +69,9 @@ class ConvKernel {
   ConvKind kind_;
   ConvShape g_;
   ConvPath path_;
-  std::shared_ptr<const Impl> impl_;  // the primitives (null for kIm2col, kStem and nhwc16_filter_grad_)
+  std::shared_ptr<const Impl> impl_;  // the primitives (null for kIm2col, kStem, nhwc16_filter_grad_, stem_nhwc_)
   bool nhwc16_filter_grad_ = false;   // kDnnlChannelsLast filter gradient by Nhwc16FilterGrad
+  bool stem_nhwc_ = false;            // kDnnlChannelsLast one-channel stem (StemConvForwardNhwc, ...)
   // kDnnlChannelsLast input gradient of a 3x3 stride-1 padding-1 convolution with 16 channels in and
   // out: the forward kernel that computes it from the turned filter (RunTurned).
   std::shared_ptr<const ConvKernel> turned_forward_;

@@ -122,6 +122,78 @@ SS_AVX512 void FilterGradGroup(const ConvShape& g, const float* x, const float* 
   for (int64_t i = 0; i < channels * 9; ++i) part[i] = LaneSum(acc_all + i * kLanes);
 }
 
+// Channels-last (jit/channels_last.h): the output and its gradient NHWC, [n, h, w, o], o a multiple of
+// 16; the image is the same bytes in both layouts. Lanes run over 16 output channels of one pixel.
+
+// The 9 weights of 16 output channels, tap-major: wt[k] lane l = w[o0 + l][k].
+SS_AVX512 __attribute__((always_inline)) inline void LoadTapWeights(const float* w, int64_t o0, __m512* wt) {
+  alignas(64) float t[9][kLanes];
+  for (int64_t l = 0; l < kLanes; ++l)
+    for (int k = 0; k < 9; ++k) t[k][l] = w[(o0 + l) * 9 + k];
+#pragma GCC unroll 9
+  for (int k = 0; k < 9; ++k) wt[k] = _mm512_load_ps(t[k]);
+}
+
+// Eight pixels of a row at a time (eight independent FMA chains); each output is the NCHW loops' sum,
+// tap 0 times its weight and then taps 1..8 added in order by FMAs: the same bits.
+constexpr int64_t kPixelsPerStep = 8;
+
+SS_AVX512 void ForwardImagesNhwc(const ConvShape& g, const float* x, const float* w, float* y, int64_t first,
+                                 int64_t last, float* scratch) {
+  const int64_t plane = g.h * g.w;
+  for (int64_t n = first; n < last; ++n) {
+    const PaddedImage p = Pad(g, x + n * plane, scratch);
+    float* const out = y + n * plane * g.o;
+    for (int64_t o0 = 0; o0 < g.o; o0 += kLanes) {
+      __m512 wt[9];
+      LoadTapWeights(w, o0, wt);
+      for (int64_t r = 0; r < g.h; ++r)
+        for (int64_t c0 = 0; c0 < g.w; c0 += kPixelsPerStep) {
+          const int64_t pixels = std::min(kPixelsPerStep, g.w - c0);
+          __m512 acc[kPixelsPerStep];
+          const float* base = p.cells + r * p.stride + c0;  // tap (0, 0) of pixel c0
+#pragma GCC unroll 8
+          for (int64_t i = 0; i < kPixelsPerStep; ++i) acc[i] = _mm512_mul_ps(_mm512_set1_ps(base[i]), wt[0]);
+#pragma GCC unroll 8
+          for (int k = 1; k < 9; ++k) {
+            const float* tap = base + (k / 3) * p.stride + k % 3;
+#pragma GCC unroll 8
+            for (int64_t i = 0; i < kPixelsPerStep; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(tap[i]), wt[k], acc[i]);
+          }
+          float* yp = out + (r * g.w + c0) * g.o + o0;
+          for (int64_t i = 0; i < pixels; ++i) _mm512_storeu_ps(yp + i * g.o, acc[i]);
+        }
+    }
+  }
+}
+
+// One group's sum over images [first, last): part[k * o + oc], image by image, row by row, pixel by
+// pixel, each lane one output channel (no lane sums).
+SS_AVX512 void FilterGradGroupNhwc(const ConvShape& g, const float* x, const float* dy, int64_t first, int64_t last,
+                                   float* part, float* scratch) {
+  const int64_t plane = g.h * g.w;
+  std::fill_n(part, 9 * g.o, 0.0f);
+  for (int64_t n = first; n < last; ++n) {
+    const PaddedImage p = Pad(g, x + n * plane, scratch);
+    const float* d = dy + n * plane * g.o;
+    for (int64_t o0 = 0; o0 < g.o; o0 += kLanes) {
+      __m512 acc[9];
+#pragma GCC unroll 9
+      for (int k = 0; k < 9; ++k) acc[k] = _mm512_loadu_ps(part + k * g.o + o0);
+      for (int64_t r = 0; r < g.h; ++r)
+        for (int64_t c = 0; c < g.w; ++c) {
+          const __m512 grad = _mm512_loadu_ps(d + (r * g.w + c) * g.o + o0);
+          const float* base = p.cells + r * p.stride + c;
+#pragma GCC unroll 9
+          for (int k = 0; k < 9; ++k)
+            acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(base[(k / 3) * p.stride + k % 3]), grad, acc[k]);
+        }
+#pragma GCC unroll 9
+      for (int k = 0; k < 9; ++k) _mm512_storeu_ps(part + k * g.o + o0, acc[k]);
+    }
+  }
+}
+
 #undef SS_AVX512
 
 }  // namespace
@@ -155,6 +227,41 @@ void StemConvFilterGrad(const ConvShape& g, const float* x, const float* dy, flo
   std::fill(dw, dw + size, 0.0f);
   for (int64_t group = 0; group < kStemFilterGradGroups; ++group)
     for (int64_t j = 0; j < size; ++j) dw[j] += parts[group * size + j];
+}
+
+}  // namespace shardstep::jit
+
+namespace shardstep::jit {
+
+bool StemConvNhwcApplies(const ConvShape& g) { return StemConvApplies(g) && g.o % kLanes == 0; }
+
+void StemConvForwardNhwc(const ConvShape& g, const float* x, const float* w, float* y) {
+  const int64_t tasks = std::min(kMaxForwardTasks, (g.n + kImagesPerTask - 1) / kImagesPerTask);
+  // (A padded row of 16k + 2 cells holds every 8-pixel step's taps: the pixels past the image read
+  // zeros and are not stored.)
+  const int64_t per_task = (g.n + tasks - 1) / tasks, slice = PaddedSize(g);
+  float* const scratch = TaskScratch(tasks * slice);
+  tbb::parallel_for(int64_t{0}, tasks, [&](int64_t t) {
+    ForwardImagesNhwc(g, x, w, y, std::min(g.n, t * per_task), std::min(g.n, (t + 1) * per_task), scratch + t * slice);
+  });
+}
+
+void StemConvFilterGradNhwc(const ConvShape& g, const float* x, const float* dy, float* dw) {
+  const int64_t per_group = (g.n + kStemFilterGradGroups - 1) / kStemFilterGradGroups, size = g.o * 9;
+  const int64_t slice = PaddedSize(g);
+  float* const parts = TaskScratch(kStemFilterGradGroups * (size + slice));
+  float* const scratch = parts + kStemFilterGradGroups * size;
+  tbb::parallel_for(int64_t{0}, kStemFilterGradGroups, [&](int64_t group) {
+    FilterGradGroupNhwc(g, x, dy, std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group),
+                        parts + group * size, scratch + group * slice);
+  });
+  // dw[o][k] = the groups' part[k][o], added in group order.
+  for (int64_t o = 0; o < g.o; ++o)
+    for (int64_t k = 0; k < 9; ++k) {
+      float s = 0.0f;
+      for (int64_t group = 0; group < kStemFilterGradGroups; ++group) s += parts[group * size + k * g.o + o];
+      dw[o * 9 + k] = s;
+    }
 }
 
 }  // namespace shardstep::jit

@@ -30,4 +30,11 @@ void StemConvForward(const ConvShape& g, const float* x, const float* w, float* 
 // x [n, 1, h, w], dy [n, o, h, w] -> dw [o, 1, 3, 3].
 void StemConvFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw);
 
+// The same on channels-last activations (jit/channels_last.h), for o a multiple of 16: y and dy are
+// [n, h, w, o] (the image [n, h, w, 1] is the same bytes as [n, 1, h, w]). The forward pass gives the
+// NCHW loops' bits; the filter gradient sums each group's terms in another order.
+bool StemConvNhwcApplies(const ConvShape& g);
+void StemConvForwardNhwc(const ConvShape& g, const float* x, const float* w, float* y);
+void StemConvFilterGradNhwc(const ConvShape& g, const float* x, const float* dy, float* dw);
+
 }  // namespace shardstep::jit

@@ -187,6 +187,79 @@ TEST_CASE("channels-last: a convolution with fewer than 8 channels stays NCHW", 
   for (ValueId v = 0; v < step->module().size(); ++v) CHECK(step->module().at(v).op != OpCode::kTranspose);
 }
 
+// image (one channel) -> stem conv (16) -> relu -> conv -> relu -> conv = y; dy (an input) through the
+// stem's filter gradient: the stem runs channels-last by the stem loops, its image reshaped (no copy).
+TEST_CASE("channels-last: a one-channel stem runs NHWC when two convolutions follow it", "[jit][conv]") {
+  if (!__builtin_cpu_supports("avx512f")) {
+    WARN("no AVX-512: no stem loops here");
+    return;
+  }
+  constexpr int64_t kC = 16;
+  ir::Module m;
+  ir::Builder b(&m);
+  const ir::Shape act{kN, kC, kH, kW};
+  const auto image = b.Input("image", {DType::kF32, {kN, 1, kH, kW}});
+  const auto dy = b.Input("dy", {DType::kF32, act});
+  const auto ws = b.Variable("ws", {DType::kF32, {kC, 1, 3, 3}}, ir::kRoleWeight);
+  const auto w1 = b.Variable("w1", {DType::kF32, {kC, kC, 3, 3}}, ir::kRoleWeight);
+  const auto w2 = b.Variable("w2", {DType::kF32, {kC, kC, 3, 3}}, ir::kRoleWeight);
+  const ir::Attrs same{{"stride", IntList{1, 1}}, {"padding", IntList{1, 1}}};
+  const auto stem = b.Unary(OpCode::kRelu, b.Emit(OpCode::kConv2d, {image, ws}, same));
+  const auto h = b.Unary(OpCode::kRelu, b.Emit(OpCode::kConv2d, {stem, w1}, same));
+  m.outputs.push_back({"y", b.Emit(OpCode::kConv2d, {h, w2}, same)});
+  ir::Attrs fg = same;
+  fg["filter_shape"] = IntList{kC, 1, 3, 3};
+  m.outputs.push_back({"dws", b.Emit(OpCode::kConv2dFilterGrad, {image, b.Mul(dy, stem)}, fg)});
+
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  const ir::Module& jm = step->module();
+  INFO(ir::Print(jm));
+  CHECK(step->info().channels_last_convs == 4);  // the stem, its filter gradient and the two convolutions
+  int transposes = 0, reshapes = 0;
+  for (ValueId v = 0; v < jm.size(); ++v) {
+    transposes += jm.at(v).op == OpCode::kTranspose;
+    reshapes += jm.at(v).op == OpCode::kReshape;
+  }
+  CHECK(transposes == 2);  // dy in, y out
+  CHECK(reshapes == 1);    // the image
+
+  TensorMap in{{"image", RandomF32({kN, 1, kH, kW}, 11)}, {"dy", RandomF32(act, 12)}};
+  TensorMap vars{{"ws", RandomF32({kC, 1, 3, 3}, 13)}, {"w1", RandomF32({kC, kC, 3, 3}, 14)},
+                 {"w2", RandomF32({kC, kC, 3, 3}, 15)}};
+  TensorMap ref_vars = vars;
+  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
+  const TensorMap got = Jit(m, true, vars, in), again = Jit(m, true, vars, in);
+  TensorMap one;
+  {
+    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    one = Jit(m, true, vars, in);
+  }
+  for (const char* k : {"y", "dws"}) {
+    INFO(k);
+    CHECK(RelativeError(got.at(k), ref.at(k)) <= 1e-5);
+    CHECK(std::memcmp(got.at(k).raw(), again.at(k).raw(), got.at(k).bytes()) == 0);
+    CHECK(std::memcmp(got.at(k).raw(), one.at(k).raw(), got.at(k).bytes()) == 0);
+  }
+
+  // An inf in the stem's output gradient at an image's corner meets padding in the filter gradient,
+  // and an inf stem weight at the top-left tap in the forward pass: the interpreter's NaNs.
+  in["dy"].f32[0] = INFINITY;
+  vars["ws"].f32[9 * 3] = INFINITY;
+  ref_vars = vars;
+  const TensorMap ref_bad = runtime::RunStep(m, ref_vars, in), bad = Jit(m, true, vars, in);
+  int nans = 0;
+  for (const char* k : {"y", "dws"}) {
+    const Tensor &a = bad.at(k), &r = ref_bad.at(k);
+    for (size_t i = 0; i < r.f32.size(); ++i) {
+      INFO(k << "[" << i << "]: " << a.f32[i] << " vs the interpreter's " << r.f32[i]);
+      REQUIRE(std::isnan(a.f32[i]) == std::isnan(r.f32[i]));
+      REQUIRE(std::isinf(a.f32[i]) == std::isinf(r.f32[i]));
+      nans += std::isnan(r.f32[i]);
+    }
+  }
+  CHECK(nans > 0);
+}
+
 // Channels-last batch norm sums [rows, C] over the rows into C outputs. For C = 16, 32 and 64 the
 // sums stay in registers over a block's rows (jit/data_movement.cc ColumnRows); the order is still
 // Reduce's: each block of rows summed in f64 from its first row to its last, the blocks added in order.
