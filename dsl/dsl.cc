@@ -110,8 +110,8 @@ CeParts CrossEntropyParts(Builder& b, ValueId z, ValueId y, const CrossEntropyOp
   const Shape& s = zt.shape;
   const int64_t c = s.back(), last = static_cast<int64_t>(s.size()) - 1;
   const IntList keep = ir::AllAxes(last);
-  // log p = z - max - log sum exp(z - max).
-  ValueId mx = b.ReduceMax(z, {last});
+  // log p = z - max - log sum exp(z - max). The max is held out of autodiff (see LogSoftmax).
+  ValueId mx = b.Unary(OpCode::kStopGradient, b.ReduceMax(z, {last}));
   ValueId shifted = b.Sub(z, b.Broadcast(mx, s, keep));
   ValueId lse = b.Unary(OpCode::kLog, b.ReduceSum(b.Unary(OpCode::kExp, shifted), {last}));
   ValueId weight = kNoValue;
@@ -611,14 +611,19 @@ Tensor Tensor::cast(DType to, Loc loc) const {
   return m_->Record(Str("cast to ", ir::DTypeName(to)), loc, [x, to](Lowering& L) { return L.b->Convert(L[x], to); });
 }
 
-// x - max - log(sum(exp(x - max))) along `a`, and the shifted values and the sum.
+// x - max - log(sum(exp(x - max))) along `a`, and the shifted values and the sum. The max only keeps
+// exp in range: the result does not depend on it, so its gradient is zero and the max is held out of
+// autodiff (stop_gradient), as PyTorch's softmax backward leaves it out. Through the max, autodiff
+// made a [.., T] sum and an argmax mask per softmax that added rounding noise to a zero (transformer_lm:
+// two passes over each layer's [32, 4, 128, 128] attention weights).
 static ValueId LogSoftmax(Builder& b, ValueId x, int64_t axis, bool want_softmax) {
   Shape s = b.shape(x);
   int64_t a = NormAxis(axis, s.size(), "softmax");
   IntList keep;
   for (int64_t i = 0; i < static_cast<int64_t>(s.size()); ++i)
     if (i != a) keep.push_back(i);
-  ValueId shifted = b.Sub(x, b.Broadcast(b.ReduceMax(x, {a}), s, keep));
+  const ValueId mx = b.Unary(OpCode::kStopGradient, b.ReduceMax(x, {a}));
+  ValueId shifted = b.Sub(x, b.Broadcast(mx, s, keep));
   ValueId e = b.Unary(OpCode::kExp, shifted);
   ValueId total = b.Broadcast(b.ReduceSum(e, {a}), s, keep);
   if (want_softmax) return b.Div(e, total);

@@ -365,6 +365,30 @@ TEST_CASE("finite differences: softmax and log_softmax", "[dsl][gradient]") {
   GradCheck({3, 5}, [](dsl::Model&, const dsl::Tensor& w) { return w.log_softmax(); });
 }
 
+// The max that keeps exp in range does not change softmax's value, so its gradient is zero: it is held out
+// of autodiff, and the gradient module has no path back through it (reduce_max's backward would compare
+// every input with the max: an eq op per softmax).
+TEST_CASE("softmax, log_softmax and cross-entropy hold their max out of autodiff", "[dsl][gradient]") {
+  const std::vector<std::function<dsl::Tensor(dsl::Model&, const dsl::Tensor&)>> fs = {
+      [](dsl::Model&, const dsl::Tensor& w) { return w.softmax().sum(); },
+      [](dsl::Model&, const dsl::Tensor& w) { return w.log_softmax().sum(); },
+      [](dsl::Model& m, const dsl::Tensor& w) { return w.cross_entropy(m.input("labels", dsl::s32({3}))).sum(); }};
+  for (const auto& f : fs) {
+    dsl::Model m("max");
+    const auto w = m.weight("w", dsl::f32({3, 5}), "zeros");
+    m.train(f(m, w));
+    ir::Module mod = m.lower(1, dsl::Mode::kTrain);
+    ir::Autodiff("loss").Run(mod);
+    int maxes = 0, compares = 0;
+    for (ir::ValueId v = 0; v < mod.size(); ++v) {
+      maxes += mod.at(v).op == ir::OpCode::kReduceMax;
+      compares += mod.at(v).op == ir::OpCode::kEq;
+    }
+    CHECK(maxes == 1);
+    CHECK(compares == 0);
+  }
+}
+
 TEST_CASE("finite differences: cross-entropy with label smoothing, ignore_index and weights", "[dsl][gradient]") {
   TensorMap in{{"labels", Tensor::S32({2, 3}, {1, -1, 4, 0, 2, -1})}, {"wt", Tensor::F32({2, 3}, {1, 2, 0.5, 3, 1, 1})}};
   dsl::CrossEntropyOptions o;
