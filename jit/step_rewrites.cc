@@ -1,0 +1,271 @@
+// The JIT's module rewrites before planning (see step_rewrites.h).
+#include "jit/step_rewrites.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
+#include <vector>
+
+#include "ir/passes/elementwise_fuser.h"
+
+namespace shardstep::jit {
+
+using ir::DType;
+using ir::OpCode;
+using ir::ValueId;
+
+// (jit/dnnl_kernels.h ParallelBf16Matmul runs it.)
+bool Bf16Operands(const ir::Module& m, const ir::Instr& in) {
+  if (in.op != OpCode::kMatmul || in.type.dtype != DType::kF32) return false;
+  for (ValueId o : in.operands) {
+    const ir::Instr& x = m.at(o);
+    if (x.op != OpCode::kConvert || x.type.dtype != DType::kF32 || m.type(x.operands[0]).dtype != DType::kBF16)
+      return false;
+  }
+  return true;
+}
+
+// The JIT's own form of such a matmul: its operands are the bf16 values themselves (2 bytes an element,
+// read in place by oneDNN), marked kBf16OperandsAttr, and the widening converts lose these readers (a
+// convert left with none is dropped; before, its loop still ran: 8 passes over [4096,512] per
+// transformer_lm step). Only CompiledStep sees this form: the
+// IR's matmul takes operands of its result's dtype.
+void ReadBf16OperandsInPlace(ir::Module& m) {
+  bool changed = false;
+  for (ValueId v = 0; v < m.size(); ++v) {
+    ir::Instr& in = m.at(v);
+    if (!Bf16Operands(m, in)) continue;
+    for (ValueId& o : in.operands) o = m.at(o).operands[0];
+    in.attrs[kBf16OperandsAttr] = int64_t{1};
+    changed = true;
+  }
+  // A widening convert read by nothing else is dropped: the step would still run its loop.
+  if (changed) m.Canonicalize();
+}
+// The mixed-precision pass rounds a matmul operand after the reshape that gives it the matmul's shape,
+// convert(reshape(x), bf16). Rounding is elementwise and a reshape keeps the element order, so the JIT
+// rounds first, reshape(convert(x, bf16)): the rounding then joins the loop that computes x (one pass
+// writes both) instead of a loop of its own reading x back (the transformer's activations: 57 passes
+// over [4096,128] per step). The same bits.
+void RoundBeforeReshapes(ir::Module& m) {
+  bool changed = false;
+  const int n = m.size();
+  for (ValueId c = 0; c < n; ++c) {
+    const ir::Instr in = m.at(c);  // copies: Append may move the instructions
+    if (in.op != OpCode::kConvert || in.type.dtype != DType::kBF16 || m.at(in.operands[0]).op != OpCode::kReshape) continue;
+    ir::Instr reshape = m.at(in.operands[0]);
+    const ValueId x = reshape.operands[0];
+    if (m.type(x).dtype != DType::kF32) continue;
+    ir::Instr round = in;
+    round.operands = {x};
+    round.type = ir::TensorType{DType::kBF16, m.type(x).shape};
+    round.attrs.erase(ir::kFusionAttr);
+    reshape.operands = {m.Append(round)};
+    reshape.type = in.type;
+    reshape.attrs.erase(ir::kFusionAttr);
+    m.ReplaceAllUses(c, m.Append(reshape));
+    changed = true;
+  }
+  if (changed) m.Canonicalize();
+}
+
+// relu's gradient after max pooling's, select(x > 0, max_pool_grad(x, dy), 0) with x the pooled relu
+// output, is one pass of the pooling gradient with the mask (cpu_kernels.h MaxPoolGrad): the gradient is
+// not written and read back. The JIT's own form, marked kReluMaskAttr; the same bits.
+namespace {
+bool IsZeroSplat(const ir::Module& m, ValueId v) {
+  const ir::Instr& in = m.at(v);
+  if (in.op != OpCode::kConstant || in.type.dtype != DType::kF32 || !in.Has("value")) return false;
+  return in.GetFloat("value") == 0.0 && !std::signbit(in.GetFloat("value"));
+}
+}  // namespace
+
+void MaskMaxPoolGradsByRelu(ir::Module& m) {
+  const auto users = m.Users();
+  bool changed = false;
+  for (ValueId s = 0; s < m.size(); ++s) {
+    const ir::Instr& sel = m.at(s);
+    if (sel.op != OpCode::kSelect || !IsZeroSplat(m, sel.operands[2])) continue;
+    const ir::Instr& mask = m.at(sel.operands[0]);
+    const ValueId g = sel.operands[1];
+    const ir::Instr& grad = m.at(g);
+    if (mask.op != OpCode::kGt || !IsZeroSplat(m, mask.operands[1]) || grad.op != OpCode::kMaxPoolGrad ||
+        grad.operands[0] != mask.operands[0] || users[g].size() != 1 || grad.Has(kReluMaskAttr))
+      continue;
+    m.at(g).attrs[kReluMaskAttr] = int64_t{1};
+    m.ReplaceAllUses(s, g);
+    changed = true;
+  }
+  if (changed) m.Canonicalize();
+}
+// Values recomputed in their later readers' loops instead of written by one loop and read back by
+// another. Batch norm's x - mean (x: a convolution's output) is read by the forward loops and by the
+// backward's; GELU's x + b, x^2, 1 + tanh(...), 0.5 x and 1 - tanh^2 were written by the forward loop
+// and read back by the backward's (five [4096,512] tensors per transformer layer). A value qualifies
+// when a loop can compute it again from at most one value in memory anyway (a leaf's or a non-fusible
+// op's result, or a value some non-fusible op reads), small broadcasts (at most 1/64 of its size) and
+// splat constants: an f32 elementwise op of at least kMinRecomputedElements elements, read by no
+// non-fusible op, whose operands are those or qualify themselves, kMaxRecomputedOps ops at most in
+// all. Each of its elementwise readers of its shape after the first gets its own copy of the chain
+// (with its broadcasts), which the fuser puts in the reader's loop. The same ops on the same values:
+// the same bits.
+namespace {
+constexpr int kMaxRecomputedOps = 16;
+constexpr int64_t kMinRecomputedElements = 1024;
+
+class Recomputation {
+ public:
+  explicit Recomputation(const ir::Module& m) : m_(m), users_(m.Users()), cost_(m.size(), kUnknown), in_memory_(m.size(), 0) {
+    for (const auto& [name, v] : m.outputs) in_memory_[v] = 1;
+    for (const auto& [var, v] : m.assigns) in_memory_[v] = 1;
+    for (ValueId u = 0; u < m.size(); ++u) {
+      const ir::Instr& in = m.at(u);
+      const bool fusible = ir::IsFusible(m, u);
+      if (!fusible) in_memory_[u] = 1;
+      if (fusible || in.op == OpCode::kReduceSum || in.op == OpCode::kReduceMean) continue;  // sums may fuse
+      for (ValueId o : in.operands) in_memory_[o] = 1;
+    }
+  }
+  const std::vector<std::vector<ValueId>>& users() const { return users_; }
+
+  // Ops a loop spends computing v again, or -1 when it cannot (or need not: v is in memory anyway).
+  int Cost(ValueId v) {
+    if (cost_[v] != kUnknown) return cost_[v];
+    cost_[v] = -1;
+    const ir::Instr& in = m_.at(v);
+    if (in_memory_[v] || in.type.dtype != DType::kF32 || in.op == OpCode::kConstant || in.op == OpCode::kBroadcast) return -1;
+    if (in.type.elements() < kMinRecomputedElements) return -1;  // small: its loop would be split for nothing
+    int cost = 1;
+    std::vector<ValueId>& leaves = leaves_[v];
+    for (ValueId o : in.operands) {
+      const ir::Instr& x = m_.at(o);
+      if (x.op == OpCode::kBroadcast) {
+        if (m_.type(x.operands[0]).elements() * 64 > in.type.elements()) return -1;  // not small
+        ++cost;
+      } else if (x.op == OpCode::kConstant) {
+        continue;
+      } else if (in_memory_[o]) {
+        leaves.push_back(o);
+      } else {
+        const int c = Cost(o);
+        if (c < 0) return -1;
+        cost += c;
+        leaves.insert(leaves.end(), leaves_[o].begin(), leaves_[o].end());
+      }
+    }
+    std::sort(leaves.begin(), leaves.end());
+    leaves.erase(std::unique(leaves.begin(), leaves.end()), leaves.end());
+    // A copy reading two values in memory to spare its reader one is no saving (resnet20's relu
+    // gradients, from up to 9 values: 7% slower).
+    if (leaves.size() > 1) return -1;
+    return cost_[v] = cost <= kMaxRecomputedOps ? cost : -1;
+  }
+  // Whether operand o of a copy is itself copied (else the copy reads the original).
+  bool Copied(ValueId o) {
+    const ir::Instr& x = m_.at(o);
+    return x.op == OpCode::kBroadcast || (x.op != OpCode::kConstant && !in_memory_[o] && Cost(o) >= 0);
+  }
+
+ private:
+  static constexpr int kUnknown = -2;
+  const ir::Module& m_;
+  std::vector<std::vector<ValueId>> users_;
+  std::vector<int> cost_;
+  std::vector<char> in_memory_;
+  std::vector<std::vector<ValueId>> leaves_ = std::vector<std::vector<ValueId>>(m_.size());  // in memory, read by a copy
+};
+}  // namespace
+
+// Returns the number of values copied for a reader.
+int RecomputeCheapValues(ir::Module& m) {
+  Recomputation r(m);
+  const auto& users = r.users();
+  const int n = m.size();
+  // Per user: the values it gets its own copies of; copies are placed just before their reader.
+  std::vector<std::vector<ValueId>> copies_of(n);
+  bool any = false;
+  for (ValueId v = 0; v < n; ++v) {
+    if (r.Cost(v) < 0) continue;
+    std::vector<ValueId> readers;
+    // Elementwise readers of v's shape (a broadcast of v, or a loop of another shape, could not take the
+    // copy into its own loop).
+    for (ValueId u : users[v])
+      if (ir::IsFusible(m, u) && m.at(u).op != OpCode::kBroadcast && m.type(u).shape == m.type(v).shape &&
+          (readers.empty() || readers.back() != u))  // (mul(v, v) lists u twice)
+        readers.push_back(u);
+    for (size_t i = 1; i < readers.size(); ++i) {
+      copies_of[readers[i]].push_back(v);
+      any = true;
+    }
+  }
+  if (!any) return 0;
+  ir::Module out = m;
+  out.instrs.clear();
+  std::vector<ValueId> id(n, ir::kNoValue);
+  int copies = 0;
+  auto emit = [&](ir::Instr in) {
+    in.attrs.erase(ir::kFusionAttr);
+    out.instrs.push_back(std::move(in));
+    return static_cast<ValueId>(out.instrs.size() - 1);
+  };
+  for (ValueId u = 0; u < n; ++u) {
+    ir::Instr in = m.at(u);
+    for (ValueId& o : in.operands) o = id[o];
+    std::map<ValueId, ValueId> copy_of;  // this reader's copies, each value once
+    std::function<ValueId(ValueId)> copy = [&](ValueId v) -> ValueId {
+      if (auto it = copy_of.find(v); it != copy_of.end()) return it->second;
+      ir::Instr c = m.at(v);
+      for (ValueId& o : c.operands) o = r.Copied(o) ? copy(o) : id[o];
+      return copy_of[v] = emit(std::move(c));
+    };
+    for (ValueId v : copies_of[u]) {
+      const ValueId c = copy(v);
+      ++copies;
+      for (size_t i = 0; i < in.operands.size(); ++i)
+        if (m.at(u).operands[i] == v) in.operands[i] = c;
+    }
+    id[u] = emit(std::move(in));
+  }
+  for (auto& [var, v] : out.assigns) var = id[var], v = id[v];
+  for (auto& [var, g] : out.gradients) var = id[var], g = id[g];
+  for (auto& [name, v] : out.outputs) v = id[v];
+  m = std::move(out);
+  return copies;
+}
+
+// A broadcast read by several loops: each reader after the first gets its own copy, which the fuser puts
+// in the reader's loop (read through an index map), so no loop writes the broadcast at its full size for
+// another to read back. Softmax's row sums, broadcast to the scores' shape, were written by the forward
+// loop and read by two backward loops ([32,4,128,128] per transformer_lm layer: 8 MB written, 16 MB
+// read, where the index map reads 64 KB). Readers that are not elementwise loops of its shape (a
+// matmul, a reduction) share the original. A broadcast copies its operand exactly: the same bits.
+int CopyBroadcastsPerReader(ir::Module& m) {
+  const auto users = m.Users();
+  const int n = m.size();
+  int copies = 0;
+  for (ValueId b = 0; b < n; ++b) {
+    if (m.at(b).op != OpCode::kBroadcast) continue;
+    bool first = true;
+    ValueId prev = ir::kNoValue;
+    for (ValueId u : users[b]) {
+      if (u == prev) continue;  // (mul(b, b) lists u twice)
+      prev = u;
+      if (!ir::IsFusible(m, u) || m.at(u).op == OpCode::kBroadcast || m.type(u).shape != m.type(b).shape) continue;
+      if (first) {  // the first loop reader keeps the original
+        first = false;
+        continue;
+      }
+      ir::Instr c = m.at(b);
+      c.attrs.erase(ir::kFusionAttr);
+      const ValueId copy = m.Append(std::move(c));
+      for (ValueId& o : m.at(u).operands)
+        if (o == b) o = copy;
+      ++copies;
+    }
+  }
+  if (copies > 0) m.Canonicalize();
+  return copies;
+}
+
+}  // namespace shardstep::jit
