@@ -286,5 +286,29 @@ TEST_CASE("channels-last sums over rows keep Reduce's order for every channel co
       INFO(c << " channels, output " << k);
       REQUIRE(got[k] == static_cast<float>(total));
     }
+
+    // The same sums fused with the loop producing their operands (FusedSums, a window at a time, three
+    // sums in one pass): x, x reversed by rows (other terms in each window) and x again, each in
+    // Reduce's order.
+    Tensor rev = x;
+    for (int64_t r = 0; r < rows; ++r) std::copy_n(x.f32.data() + (rows - 1 - r) * c, c, rev.f32.data() + r * c);
+    auto produce = [&](int64_t e0, int64_t) -> const float* const* {
+      thread_local const float* ptrs[3];
+      ptrs[0] = x.f32.data() + e0, ptrs[1] = rev.f32.data() + e0, ptrs[2] = x.f32.data() + e0;
+      return ptrs;
+    };
+    std::vector<float> fx(c), frev(c), fx2(c);
+    float* outs[3] = {fx.data(), frev.data(), fx2.data()};
+    const bool means[3] = {false, false, false};
+    jit::FusedSums(l, 3, means, outs, 4096, produce, acc);
+    std::vector<float> want_rev(c);
+    jit::Reduce<float>(OpCode::kReduceSum, {rows, c}, {0}, {c}, rev.f32.data(), want_rev.data(), acc);
+    for (int64_t k = 0; k < c; ++k) {
+      INFO(c << " channels, fused, output " << k);
+      REQUIRE(fx[k] == got[k]);
+      REQUIRE(fx2[k] == got[k]);
+      REQUIRE(frev[k] == want_rev[k]);
+    }
+    REQUIRE(want_rev != got);  // the order shows in these sums
   }
 }

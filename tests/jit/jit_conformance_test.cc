@@ -1634,7 +1634,10 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
                           Layout{{300, 40}, {0}}, Layout{{5, 6, 7}, {0, 1, 2}}, Layout{{40, 30, 50}, {1}},
                           // one long reduced row: cut into segments (8320 elements), and not (no multiple of
                           // 8 divides 2 x 70001)
-                          Layout{{1024, 130}, {0, 1}}, Layout{{3, 70001, 2}, {1, 2}}}) {
+                          Layout{{1024, 130}, {0, 1}}, Layout{{3, 70001, 2}, {1, 2}},
+                          // channels-last batch norm: [rows, 16] and [rows, 32] summed into 16 or 32 columns,
+                          // several blocks of rows, the last one short
+                          Layout{{9000, 16}, {0}}, Layout{{3, 1500, 32}, {0, 1}}}) {
     std::ostringstream label;
     label << "fused reductions over [" << l.x[0];
     for (size_t d = 1; d < l.x.size(); ++d) label << "," << l.x[d];
