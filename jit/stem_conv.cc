@@ -204,56 +204,62 @@ bool StemConvApplies(const ConvShape& g) {
          g.oh == g.h && g.ow == g.w && g.n > 0 && g.o > 0 && g.h > 0 && g.w > 0;
 }
 
-void StemConvForward(const ConvShape& g, const float* x, const float* w, float* y) {
+namespace {
+// The forward pass's TBB tasks: blocks of images, each block with one padded image of scratch.
+template <typename Images>
+void ForwardTasks(const ConvShape& g, Images images) {
   const int64_t tasks = std::min(kMaxForwardTasks, (g.n + kImagesPerTask - 1) / kImagesPerTask);
   const int64_t per_task = (g.n + tasks - 1) / tasks, slice = PaddedSize(g);
   float* const scratch = TaskScratch(tasks * slice);
   tbb::parallel_for(int64_t{0}, tasks, [&](int64_t t) {
-    ForwardImages(g, x, w, y, std::min(g.n, t * per_task), std::min(g.n, (t + 1) * per_task), scratch + t * slice);
+    images(std::min(g.n, t * per_task), std::min(g.n, (t + 1) * per_task), scratch + t * slice);
   });
 }
 
-void StemConvFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw) {
-  const int64_t per_group = (g.n + kStemFilterGradGroups - 1) / kStemFilterGradGroups, size = g.o * 9;
-  // The groups' partial sums, then each group's task's scratch.
-  const int64_t slice = FilterGradScratch(g);
+// The filter gradient's fixed groups of images as TBB tasks: group_sum(first, last, part, scratch) sums
+// a group into its part (`size` floats; a group with no image, when there are fewer images than
+// groups, sums nothing: a zero part) with `slice` floats of scratch. Returns the parts.
+template <typename GroupSum>
+const float* FilterGradGroups(const ConvShape& g, int64_t size, int64_t slice, GroupSum group_sum) {
+  const int64_t per_group = (g.n + kStemFilterGradGroups - 1) / kStemFilterGradGroups;
   float* const parts = TaskScratch(kStemFilterGradGroups * (size + slice));
   float* const scratch = parts + kStemFilterGradGroups * size;
   tbb::parallel_for(int64_t{0}, kStemFilterGradGroups, [&](int64_t group) {
-    // A group with no image (fewer images than groups) sums nothing: a zero part.
-    FilterGradGroup(g, x, dy, std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group),
-                    parts + group * size, scratch + group * slice);
+    group_sum(std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group), parts + group * size,
+              scratch + group * slice);
+  });
+  return parts;
+}
+}  // namespace
+
+void StemConvForward(const ConvShape& g, const float* x, const float* w, float* y) {
+  ForwardTasks(g, [&](int64_t first, int64_t last, float* scratch) { ForwardImages(g, x, w, y, first, last, scratch); });
+}
+
+void StemConvFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw) {
+  const int64_t size = g.o * 9;
+  const float* parts = FilterGradGroups(g, size, FilterGradScratch(g), [&](int64_t first, int64_t last, float* part,
+                                                                           float* scratch) {
+    FilterGradGroup(g, x, dy, first, last, part, scratch);
   });
   std::fill(dw, dw + size, 0.0f);
   for (int64_t group = 0; group < kStemFilterGradGroups; ++group)
     for (int64_t j = 0; j < size; ++j) dw[j] += parts[group * size + j];
 }
 
-}  // namespace shardstep::jit
-
-namespace shardstep::jit {
-
 bool StemConvNhwcApplies(const ConvShape& g) { return StemConvApplies(g) && g.o % kLanes == 0; }
 
 void StemConvForwardNhwc(const ConvShape& g, const float* x, const float* w, float* y) {
-  const int64_t tasks = std::min(kMaxForwardTasks, (g.n + kImagesPerTask - 1) / kImagesPerTask);
   // (A padded row of 16k + 2 cells holds every 8-pixel step's taps: the pixels past the image read
   // zeros and are not stored.)
-  const int64_t per_task = (g.n + tasks - 1) / tasks, slice = PaddedSize(g);
-  float* const scratch = TaskScratch(tasks * slice);
-  tbb::parallel_for(int64_t{0}, tasks, [&](int64_t t) {
-    ForwardImagesNhwc(g, x, w, y, std::min(g.n, t * per_task), std::min(g.n, (t + 1) * per_task), scratch + t * slice);
-  });
+  ForwardTasks(g, [&](int64_t first, int64_t last, float* scratch) { ForwardImagesNhwc(g, x, w, y, first, last, scratch); });
 }
 
 void StemConvFilterGradNhwc(const ConvShape& g, const float* x, const float* dy, float* dw) {
-  const int64_t per_group = (g.n + kStemFilterGradGroups - 1) / kStemFilterGradGroups, size = g.o * 9;
-  const int64_t slice = PaddedSize(g);
-  float* const parts = TaskScratch(kStemFilterGradGroups * (size + slice));
-  float* const scratch = parts + kStemFilterGradGroups * size;
-  tbb::parallel_for(int64_t{0}, kStemFilterGradGroups, [&](int64_t group) {
-    FilterGradGroupNhwc(g, x, dy, std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group),
-                        parts + group * size, scratch + group * slice);
+  const int64_t size = g.o * 9;
+  const float* parts = FilterGradGroups(g, size, PaddedSize(g), [&](int64_t first, int64_t last, float* part,
+                                                                    float* scratch) {
+    FilterGradGroupNhwc(g, x, dy, first, last, part, scratch);
   });
   // dw[o][k] = the groups' part[k][o], added in group order.
   for (int64_t o = 0; o < g.o; ++o)
