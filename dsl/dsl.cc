@@ -361,8 +361,10 @@ Tensor Tensor::layer_norm(const std::string& name, double eps, Loc loc) const {
     IntList keep = ir::AllAxes(s.size() - 1);
     ValueId mean = b.Broadcast(b.ReduceMean(v, last), s, keep);
     ValueId centered = b.Sub(v, mean);
-    ValueId var = b.Broadcast(b.ReduceMean(b.Mul(centered, centered), last), s, keep);
-    ValueId norm = b.Mul(centered, b.Unary(OpCode::kRsqrt, b.AddScalar(var, eps)));
+    // 1 / sqrt(var + eps) once per row, then broadcast (per element, the forward and the backward's
+    // d/d var = -inv^3 / 2 ran it on every element: an f32 square root and division each).
+    ValueId var = b.ReduceMean(b.Mul(centered, centered), last);
+    ValueId norm = b.Mul(centered, b.Broadcast(b.Unary(OpCode::kRsqrt, b.AddScalar(var, eps)), s, keep));
     return b.Add(b.Mul(norm, BroadcastLast(b, L[gamma], s)), BroadcastLast(b, L[beta], s));
   });
 }
@@ -625,9 +627,12 @@ static ValueId LogSoftmax(Builder& b, ValueId x, int64_t axis, bool want_softmax
   const ValueId mx = b.Unary(OpCode::kStopGradient, b.ReduceMax(x, {a}));
   ValueId shifted = b.Sub(x, b.Broadcast(mx, s, keep));
   ValueId e = b.Unary(OpCode::kExp, shifted);
-  ValueId total = b.Broadcast(b.ReduceSum(e, {a}), s, keep);
-  if (want_softmax) return b.Div(e, total);
-  return b.Sub(shifted, b.Unary(OpCode::kLog, total));
+  const ValueId total = b.ReduceSum(e, {a});
+  // Softmax multiplies by the sum's reciprocal, as PyTorch's CPU kernel does: one division per row,
+  // and none per element in the backward either (transformer_lm: four f32 divisions per attention
+  // weight and step, in loops that were bound by them).
+  if (want_softmax) return b.Mul(e, b.Broadcast(b.Div(b.ScalarLike(1.0, total), total), s, keep));
+  return b.Sub(shifted, b.Broadcast(b.Unary(OpCode::kLog, total), s, keep));  // log once per row
 }
 
 Tensor Tensor::softmax(int64_t axis, Loc loc) const {

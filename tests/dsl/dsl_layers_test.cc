@@ -389,6 +389,31 @@ TEST_CASE("softmax, log_softmax and cross-entropy hold their max out of autodiff
   }
 }
 
+// Softmax multiplies by its sum's reciprocal, log_softmax takes the log of its sum and layer norm the
+// reciprocal square root of its variance: once per row, in the forward and in the gradient (autodiff of
+// e / sum made up to four divisions per element, in loops that were bound by them).
+TEST_CASE("softmax, log_softmax and layer norm divide, take logs and square roots per row", "[dsl][gradient]") {
+  const std::vector<std::function<dsl::Tensor(const dsl::Tensor&)>> fs = {
+      [](const dsl::Tensor& w) { return w.softmax(); }, [](const dsl::Tensor& w) { return w.log_softmax(); },
+      [](const dsl::Tensor& w) { return w.layer_norm("ln"); }};
+  for (const auto& f : fs) {
+    dsl::Model m("per_row");
+    const auto w = m.weight("w", dsl::f32({3, 5}), "zeros");
+    const auto t = m.input("t", dsl::f32({3, 5}));
+    m.train((f(w) * t).sum());
+    ir::Module mod = m.lower(1, dsl::Mode::kTrain);
+    ir::Autodiff("loss").Run(mod);
+    int per_row = 0, per_element = 0;
+    for (ir::ValueId v = 0; v < mod.size(); ++v) {
+      const ir::Instr& in = mod.at(v);
+      if (in.op != ir::OpCode::kDiv && in.op != ir::OpCode::kLog && in.op != ir::OpCode::kRsqrt) continue;
+      per_row += in.type.shape == ir::Shape{3};
+      per_element += in.type.elements() > 3;
+    }
+    CHECK(per_row >= 1);
+    CHECK(per_element == 0);
+  }
+}
 TEST_CASE("finite differences: cross-entropy with label smoothing, ignore_index and weights", "[dsl][gradient]") {
   TensorMap in{{"labels", Tensor::S32({2, 3}, {1, -1, 4, 0, 2, -1})}, {"wt", Tensor::F32({2, 3}, {1, 2, 0.5, 3, 1, 1})}};
   dsl::CrossEntropyOptions o;
