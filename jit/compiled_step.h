@@ -203,6 +203,7 @@ class CompiledStep {
     ReduceLayout layout;
   };
   std::vector<ReduceGroup> reduce_groups_;
+  std::string KernelTable() const;  // SHARDSTEP_JIT_DUMP: the fused loops' memory inputs and outputs
   std::vector<int> reduce_group_of_kernel_;  // per kernel: its ReduceGroup, or -1
   std::vector<int> reduce_group_of_value_;   // per value: the ReduceGroup of a fused reduction, or -1
   std::vector<void*> kernel_fns_;            // per kernel: its compiled loop (for the fused reductions)

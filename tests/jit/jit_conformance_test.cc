@@ -1655,6 +1655,11 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
     auto g = b.Mul(dy, b.Unary(OpCode::kTanh, centred));                                      // also an output
     auto sum_g = b.Emit(OpCode::kReduceSum, {g}, {{"axes", l.axes}});
     auto sum_gx = b.Emit(OpCode::kReduceSum, {b.Mul(g, centred)}, {{"axes", l.axes}});       // windowed
+    // Summed and read by the loop's own ops (batch norm's masked gradient): windowed too.
+    auto masked = b.Select(b.Binary(OpCode::kGt, x, b.ScalarLike(0.0, x)), dy, b.ScalarLike(0.0, dy));
+    auto sum_masked = b.Emit(OpCode::kReduceSum, {masked}, {{"axes", l.axes}});
+    cb.c.m.outputs.push_back({"masked_scaled", b.Mul(masked, centred)});
+    cb.c.m.outputs.push_back({"sum_masked", sum_masked});
     cb.c.m.outputs.push_back({"var", var});
     cb.c.m.outputs.push_back({"g", g});
     cb.c.m.outputs.push_back({"sum_g", sum_g});
@@ -1664,7 +1669,7 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
     auto step = jit::CompiledStep::Compile(c.m, fused), plain = jit::CompiledStep::Compile(c.m, unfused);
     INFO(c.label);
     CHECK(step->info().fused_reductions >= 2);  // var and the two sums of dy * tanh(x - mean)
-    CHECK(step->info().windowed_values >= 2);   // (x - mean)^2 and g * (x - mean)
+    CHECK(step->info().windowed_values >= 3);   // (x - mean)^2, g * (x - mean) and the masked dy
     CHECK(plain->info().fused_reductions == 0);
     TensorMap vars;
     jit::Workspace ws1, ws2;
