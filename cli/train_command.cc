@@ -421,7 +421,8 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
               << ci.seconds << " s" << (ci.rejected_corrupt ? " (a corrupt cache entry was rejected)" : "") << "\n"
               << "jit buffer plan per replica: " << std::fixed << std::setprecision(3) << ci.arena_bytes / 1048576.0
               << " MiB arena for " << ci.buffer_bytes / 1048576.0 << " MiB of temporaries, plus "
-              << ci.swapped_bytes / 1048576.0 << " MiB of new variable values\n"
+              << ci.swapped_bytes / 1048576.0 << " MiB of new variable values (" << ci.in_place_updates
+              << " variables updated in place)\n"
               << std::defaultfloat;
   }
   runtime::TrainOptions o;

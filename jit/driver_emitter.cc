@@ -59,8 +59,11 @@ void EmitStepDriver(llvm::Module& mod, const std::vector<FusedKernel>& kernels, 
         llvm::Function* fn = mod.getFunction(k.name);
         SS_CHECK(fn, "kernel ", k.name, " is not in the module");
         size_t i = 0;
-        for (const auto* list : {&k.inputs, &k.outputs})
-          for (ir::ValueId v : *list) b.CreateStore(slot(v), b.CreateConstGEP1_64(i8p, bufs, i++));
+        for (ir::ValueId v : k.inputs) b.CreateStore(slot(v), b.CreateConstGEP1_64(i8p, bufs, i++));
+        for (size_t j = 0; j < k.outputs.size(); ++j) {  // an output stored in place: its input's buffer
+          const int into = j < k.store_into.size() ? k.store_into[j] : -1;
+          b.CreateStore(slot(into >= 0 ? k.inputs[into] : k.outputs[j]), b.CreateConstGEP1_64(i8p, bufs, i++));
+        }
         checked(rt_kernel, {c, b.CreateBitCast(fn, i8p), bufs, b.getInt64(ir::NumElements(k.shape))});
         break;
       }

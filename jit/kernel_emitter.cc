@@ -278,7 +278,11 @@ class Emitter {
         const ValueId v = k.outputs[j];
         llvm::Type* t = ElemTy(m_.type(v).dtype);
         llvm::Value* x = m_.type(v).dtype == DType::kBF16 ? Bf16Bits(b, val.at(v)) : val.at(v);  // exact: rounded above
-        b.CreateStore(x, b.CreateInBoundsGEP(t, f->getArg(static_cast<unsigned>(nin + j)), i));
+        // In place: through the input's own pointer, so the vectoriser sees one array read then written
+        // at the same index (no runtime alias check), and the noalias parameters stay true.
+        const int into = j < k.store_into.size() ? k.store_into[j] : -1;
+        const unsigned arg = static_cast<unsigned>(into >= 0 ? into : static_cast<int>(nin + j));
+        b.CreateStore(x, b.CreateInBoundsGEP(t, f->getArg(arg), i));
       }
     };
 

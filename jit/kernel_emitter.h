@@ -23,6 +23,9 @@ struct FusedKernel {
   std::vector<ir::ValueId> members;  // in module order
   std::vector<ir::ValueId> inputs;   // bufs[0, inputs.size())
   std::vector<ir::ValueId> outputs;  // bufs[inputs.size(), ...)
+  // Per output: the input whose buffer it overwrites, element by element after reading it (an update
+  // of a variable in place, CompiledStep::PlanInPlaceUpdates), or -1: its own buffer. Empty: all -1.
+  std::vector<int> store_into;
 };
 
 // The compiled form: computes elements [begin, end) (callers split large ranges across threads).

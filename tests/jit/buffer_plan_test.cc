@@ -96,10 +96,12 @@ TEST_CASE("an MLP or CNN step after the first allocates no buffers, and its aren
   auto step = jit::CompiledStep::Compile(p.step);
   const jit::CompileInfo& info = step->info();
   INFO("arena " << info.arena_bytes << " bytes, one buffer per value " << info.buffer_bytes << ", swapped "
-                << info.swapped_bytes);
+                << info.swapped_bytes << ", in place " << info.in_place_updates);
   CHECK(info.arena_bytes > 0);
   CHECK(info.arena_bytes < info.buffer_bytes);
-  CHECK(info.swapped_bytes > 0);  // the new weights and Adam moments are swapped in, not copied
+  // The new weights and Adam moments are stored over the old ones by their loops, not copied or swapped in.
+  CHECK(info.in_place_updates >= 3 * (name == "mlp" ? 6 : 8));
+  CHECK(info.swapped_bytes < 64);  // the step counter at most
 
   const runtime::Dataset d = runtime::SyntheticClassification(2 * kBatch, 1, 28, 28, 10, /*seed=*/11);
   runtime::BatchIterator it(d, kBatch, /*shuffle=*/false, /*seed=*/5,

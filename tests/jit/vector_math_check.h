@@ -56,7 +56,7 @@ class UnaryKernel {
     const ir::ValueId x = b.Input("x", {ir::DType::kF32, {n}});
     const ir::ValueId y = b.Unary(op, x);
     m_.outputs.push_back({"y", y});
-    jit::FusedKernel k{"k0", {n}, {y}, {x}, {y}};
+    jit::FusedKernel k{"k0", {n}, {y}, {x}, {y}, {}};
     jit_ = jit::JitCompiler::Create(jit::JitOptions{"", false, false});
     auto ctx = std::make_unique<llvm::LLVMContext>();
     auto mod = jit::EmitKernels(m_, {k}, *ctx, "vector_math_check");

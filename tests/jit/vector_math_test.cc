@@ -185,7 +185,7 @@ TEST_CASE("fused loops with exp, log, tanh, sigmoid vectorise; with SHARDSTEP_SC
     const ir::ValueId y = b.Unary(op, x);
     m.outputs.push_back({"y", y});
     llvm::LLVMContext ctx;
-    auto mod = jit::EmitKernels(m, {jit::FusedKernel{"k0", {1024}, {y}, {x}, {y}}}, ctx, "v");
+    auto mod = jit::EmitKernels(m, {jit::FusedKernel{"k0", {1024}, {y}, {x}, {y}, {}}}, ctx, "v");
     jit::JitCompiler::Create(jit::JitOptions{"", false, false})->Optimize(*mod, remarks);
     std::string text;
     llvm::raw_string_ostream os(text);
