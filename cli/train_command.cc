@@ -422,7 +422,7 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
               << "jit buffer plan per replica: " << std::fixed << std::setprecision(3) << ci.arena_bytes / 1048576.0
               << " MiB arena for " << ci.buffer_bytes / 1048576.0 << " MiB of temporaries, plus "
               << ci.swapped_bytes / 1048576.0 << " MiB of new variable values (" << ci.in_place_updates
-              << " variables updated in place)\n"
+              << " variables updated in place; " << ci.reused_inputs << " loop outputs stored over a dead input)\n"
               << std::defaultfloat;
   }
   runtime::TrainOptions o;

@@ -461,6 +461,11 @@ void CompiledStep::Plan(bool fuse_reductions) {
   PlanLeafSlots();
   PlanViews();
   PlanInPlaceUpdates();
+  static const bool reuse = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_REUSE");
+    return !(e && std::string(e) == "0");
+  }();
+  reuse_inputs_ = reuse;
   PlanBuffers();
 }
 
@@ -842,6 +847,7 @@ void CompiledStep::PlanBuffers() {
       for (ValueId o : packed_[packed_of_[v]].outs) first[o] = p;
   for (const auto& [name, v] : m_.outputs) read(v, end);
   for (const auto& [var, v] : m_.assigns) read(v, end);
+  const std::vector<ValueId> home = PlanReusedInputs(root, last);
 
   separate_.assign(n, 0);
   offset_.assign(n, -1);
@@ -850,7 +856,7 @@ void CompiledStep::PlanBuffers() {
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
     if (!needs_buffer_[v] || in.op == OpCode::kVariable || in.op == OpCode::kInput) continue;
-    if (LoweringOf(m_, v) == Lowering::kAlias || view_[v] || in_place_[v]) continue;
+    if (LoweringOf(m_, v) == Lowering::kAlias || view_[v] || in_place_[v] || home[v] != v) continue;
     if (in.op == OpCode::kConstant) {
       requests[v] = {in.type.bytes(), 0, end};  // filled once: never shared
     } else if (swappable_[v]) {
@@ -862,9 +868,66 @@ void CompiledStep::PlanBuffers() {
   }
   const BufferPlan plan = jit::PlanBuffers(requests, kArenaAlign);
   offset_ = plan.offset;
+  for (ValueId v = 0; v < n; ++v)
+    if (home[v] != v) offset_[v] = offset_[home[v]];
   info_.arena_bytes = plan.arena_bytes;
   info_.buffer_bytes = plan.buffer_bytes;
   PlanAssignments();
+}
+
+// Loop outputs written over a dead input: where a fused loop reads a temporary at the same index as it
+// writes an output of the same type, and nothing reads that temporary's storage after the loop, the
+// output is stored over it (through the input's pointer, as PlanInPlaceUpdates). The loop then streams
+// one array less and its stores hit lines it has just read (no write-allocate reads): batch norm's and
+// the activations' backward loops. Returns each value's storage home (itself, or the temporary whose
+// bytes it takes) and extends `last` (per storage root) over the readers of the values stored there.
+// Not for windowed outputs (they never reach memory), variables, inputs, constants, views or values
+// swapped into variables; never through a broadcast's index map.
+std::vector<ValueId> CompiledStep::PlanReusedInputs(const std::vector<ValueId>& root, std::vector<int>& last) {
+  const int n = m_.size();
+  std::vector<ValueId> home(n);
+  for (ValueId v = 0; v < n; ++v) home[v] = v;
+  info_.reused_inputs = 0;
+  if (!reuse_inputs_) return home;
+  auto arena_value = [&](ValueId r) {
+    const OpCode op = m_.at(r).op;
+    return needs_buffer_[r] && op != OpCode::kVariable && op != OpCode::kInput && op != OpCode::kConstant &&
+           LoweringOf(m_, r) != Lowering::kAlias && !view_[r] && !in_place_[r] && !swappable_[r];
+  };
+  const auto users = m_.Users();
+  std::vector<int> kernel_of(n, -1);
+  for (size_t kk = 0; kk < kernels_.size(); ++kk)
+    for (ValueId v : kernels_[kk].members) kernel_of[v] = static_cast<int>(kk);
+  for (int p = 0; p < static_cast<int>(schedule_.size()); ++p) {
+    const int kk = schedule_[p].kernel;
+    if (kk < 0) continue;
+    FusedKernel& k = kernels_[kk];
+    const int g = reduce_group_of_kernel_[kk];
+    std::vector<char> taken(k.inputs.size(), 0);
+    for (size_t j = 0; j < k.outputs.size(); ++j) {
+      const ValueId v = k.outputs[j];
+      if (k.store_into[j] >= 0 || !arena_value(v) || root[v] != v || (g >= 0 && reduce_groups_[g].windowed[j])) continue;
+      if (m_.type(v).shape != k.shape) continue;
+      for (size_t i = 0; i < k.inputs.size(); ++i) {
+        const ValueId u = k.inputs[i];
+        const ValueId r = home[root[u]];
+        if (taken[i] || !arena_value(r) || last[r] != p || m_.type(u).dtype != m_.type(v).dtype ||
+            m_.type(u).shape != k.shape || m_.type(r).bytes() != m_.type(v).bytes())
+          continue;
+        bool direct = true;  // the loop reads r only as this input, element i at i
+        for (size_t o = 0; o < k.inputs.size(); ++o) direct &= o == i || home[root[k.inputs[o]]] != r;
+        for (ValueId w : users[u]) direct &= !(kernel_of[w] == kk && m_.at(w).op == OpCode::kBroadcast);
+        if (!direct) continue;
+        k.store_into[j] = static_cast<int>(i);
+        taken[i] = 1;
+        home[v] = r;
+        last[r] = std::max(last[r], last[v]);
+        ++info_.reused_inputs;
+        break;
+      }
+    }
+  }
+  return home;
 }
 
 void CompiledStep::PlanAssignments() {
@@ -946,8 +1009,9 @@ bool PerfMapWanted() {
 }
 }  // namespace
 
-// SHARDSTEP_JIT_DUMP's second part: per fused loop, what it reads and writes to memory and what its
-// fused reductions read from a window (a value only recomputed in a loop appears in none).
+// SHARDSTEP_JIT_DUMP's second part: per fused loop, what it reads and writes to memory (an output
+// stored over one of its inputs as "%out(over %in)") and what its fused reductions read from a window (a
+// value only recomputed in a loop appears in none).
 std::string CompiledStep::KernelTable() const {
   std::string t = "fused loops (elements: inputs -> outputs in memory; windows: outputs only its fused sums read)\n";
   for (size_t kk = 0; kk < kernels_.size(); ++kk) {
@@ -959,6 +1023,7 @@ std::string CompiledStep::KernelTable() const {
     std::string windows;
     for (size_t j = 0; j < k.outputs.size(); ++j) {
       if (g >= 0 && reduce_groups_[g].windowed[j]) windows += Str(" %", k.outputs[j]);
+      else if (j < k.store_into.size() && k.store_into[j] >= 0) t += Str(" %", k.outputs[j], "(over %", k.inputs[k.store_into[j]], ")");
       else t += Str(" %", k.outputs[j]);
     }
     if (!windows.empty()) t += "; windows" + windows;

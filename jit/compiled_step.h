@@ -35,6 +35,7 @@ struct CompileInfo {
   int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
   int broadcast_copies = 0;    // copies of a broadcast for its second and later loop readers (never written)
   int in_place_updates = 0;    // variables' new values stored over the old by their loop (PlanInPlaceUpdates)
+  int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -141,6 +142,7 @@ class CompiledStep {
   void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, int replica, runtime::Collectives* c,
                            Workspace* ws) const;
   void PlanInPlaceUpdates();
+  std::vector<ir::ValueId> PlanReusedInputs(const std::vector<ir::ValueId>& root, std::vector<int>& last);
   void PlanBuffers();
   void RunInstr(ir::ValueId v, const StepBinding& b, int replica, runtime::Collectives* c, Workspace* ws,
                 int batch_parts) const;
@@ -160,6 +162,7 @@ class CompiledStep {
   std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
   std::vector<char> in_place_;                 // per value: its kernel writes it into its variable (PlanInPlaceUpdates)
+  bool reuse_inputs_ = true;                   // PlanReusedInputs runs (SHARDSTEP_JIT_REUSE=0: not, to compare)
   std::vector<char> view_;                     // per value: a view into its operand's storage (PlanViews)
   // Combined collectives run on their parts (PlanPackedCollectives): a reduce-scatter reads the parts of
   // its concat and an all-gather those of its concat and writes the slices of its result, so neither the

@@ -3,7 +3,8 @@
 // with the interpreter's bits over several steps and TBB chunks; a variable read after its loop (by an
 // output, another assignment, a later copy) keeps its own buffer and every reader sees the old value; and
 // when an instruction that can fail runs after the loop, nothing is updated in place, so a failed step
-// leaves every variable as it was.
+// leaves every variable as it was. The same mechanism stores a loop's output over a temporary the loop
+// reads last (PlanReusedInputs), checked at the end.
 #include <catch2/catch.hpp>
 
 #include <string>
@@ -157,6 +158,68 @@ TEST_CASE("with a failing instruction after the loop nothing is updated in place
   runtime::RunStep(h.m, ref_vars, in);
   CHECK(vars == ref_vars);
   CHECK(!(vars == before));
+}
+
+// Loop outputs stored over a dead input (CompiledStep::PlanReusedInputs): a = transpose(x) is a
+// temporary of its own; the loop b = 2a + 1 reads it last, so b takes a's bytes unless something reads a
+// after the loop. Integer-valued data: every sum is exact, so the interpreter's bits are the check.
+struct Reuse {
+  ir::Module m;
+  ir::ValueId a = -1, b = -1;
+};
+
+Reuse MakeReuse() {
+  Reuse r;
+  r.m.name = "reuse";
+  ir::Builder b(&r.m);
+  const ir::ValueId x = b.Input("x", {ir::DType::kF32, {4, 3}});
+  r.a = b.Transpose(x, {1, 0});
+  r.b = b.AddScalar(b.MulScalar(r.a, 2), 1);
+  return r;
+}
+
+void CheckReuse(const Reuse& r, int reused, bool same_bytes) {
+  auto step = Compile(r.m);
+  CHECK(step->info().reused_inputs == reused);
+  CHECK((step->arena_offset(r.a) >= 0 && step->arena_offset(r.a) == step->arena_offset(r.b)) == same_bytes);
+  const TensorMap in{{"x", Ramp({ir::DType::kF32, {4, 3}}, 1, 0)}};
+  TensorMap vars, ref_vars;
+  jit::Workspace ws;
+  for (int s = 0; s < 2; ++s) {
+    INFO("step " << s + 1);
+    CHECK(step->Run(vars, in, 0, nullptr, &ws) == runtime::RunStep(r.m, ref_vars, in));
+  }
+}
+
+TEST_CASE("a loop output is stored over a temporary the loop reads last, and only then", "[jit][in_place]") {
+  SECTION("b = 2a + 1 is the only output: b takes a's bytes") {
+    Reuse r = MakeReuse();
+    r.m.outputs.push_back({"b", r.b});
+    CheckReuse(r, 1, true);
+  }
+  SECTION("a is an output too") {
+    Reuse r = MakeReuse();
+    r.m.outputs = {{"b", r.b}, {"a", r.a}};
+    CheckReuse(r, 0, false);
+  }
+  SECTION("a matmul after the loop reads a") {
+    Reuse r = MakeReuse();
+    ir::Builder b(&r.m);
+    r.m.outputs.push_back({"c", b.Matmul(r.b, r.a, false, true)});
+    CheckReuse(r, 0, false);
+  }
+  SECTION("b is also summed in the loop (a fused reduction reading b from memory)") {
+    Reuse r = MakeReuse();
+    ir::Builder b(&r.m);
+    r.m.outputs = {{"b", r.b}, {"rows", b.ReduceSum(r.b, {1})}};
+    CheckReuse(r, 1, true);
+  }
+  SECTION("b is only summed: it never reaches memory, nothing is stored over a") {
+    Reuse r = MakeReuse();
+    ir::Builder b(&r.m);
+    r.m.outputs = {{"rows", b.ReduceSum(r.b, {1})}};
+    CheckReuse(r, 0, false);
+  }
 }
 
 }  // namespace
