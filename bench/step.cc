@@ -937,11 +937,31 @@ std::string TorchScript() {
   return (here.parent_path() / "torch_step.py").lexically_normal().string();
 }
 
+// The CPU the figures come from, "model name (family F, model M)" from /proc/cpuinfo: the sessions'
+// machines have differed (an Intel CPU with AMX, an AMD one whose family LLVM 14 does not know), and
+// the kernel choices and PyTorch's speed with them.
+std::string CpuDescription() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, name = "unknown CPU", family = "?", model = "?";
+  auto value = [](const std::string& l) {  // the text after "key<tabs>: "
+    const size_t c = l.find(':');
+    return c == std::string::npos || c + 2 > l.size() ? std::string() : l.substr(c + 2);
+  };
+  bool seen_name = false, seen_family = false, seen_model = false;
+  while (std::getline(f, line)) {
+    if (!seen_name && line.rfind("model name", 0) == 0) name = value(line), seen_name = true;
+    else if (!seen_family && line.rfind("cpu family", 0) == 0) family = value(line), seen_family = true;
+    else if (!seen_model && line.rfind("model\t", 0) == 0) model = value(line), seen_model = true;
+  }
+  return name + " (family " + family + ", model " + model + ")";
+}
+
 int Run(const Args& args) {
   const int threads = args.threads > 0 ? args.threads : jit::NumCores();
   tbb::global_control cap(tbb::global_control::max_allowed_parallelism, static_cast<size_t>(std::max(1, threads)));
   const std::string script = TorchScript();
   jit::ConfigureThreadsForReplica(1);
+  std::cout << "cpu: " << CpuDescription() << "\n";
   std::cout << "threads: " << jit::NumCores() << " cores; one replica thread; oneDNN (OpenMP) threads "
             << jit::OmpMaxThreads() << " per call (matmuls split into TBB tasks); TBB max concurrency "
             << tbb::this_task_arena::max_concurrency() << "; OpenBLAS 1 thread\n";
@@ -993,6 +1013,7 @@ int Run(const Args& args) {
     nlohmann::json j = ToJson(rows, bound, reps, train);
     j["rounds"] = args.rounds;
     j["threads"] = threads;
+    j["cpu"] = CpuDescription();
     j["sgemm_gflops"] = {{"onednn_128x1024x1024", sgemm_mlp}, {"onednn_1024^3", sgemm_big},
                          {"step_split_128x1024x1024", split_mlp}, {"step_split_1024^3", split_big}};
     j["fused_adam"] = {{"gb_per_s", adam / 1e9}, {"triad_gb_per_s", triad / 1e9}, {"fraction", adam / triad},
