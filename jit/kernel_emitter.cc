@@ -22,6 +22,7 @@
 #include <llvm/IR/IRBuilder.h>
 #include <llvm/IR/Intrinsics.h>
 #include <llvm/IR/LLVMContext.h>
+#include <llvm/IR/Metadata.h>
 #include <llvm/IR/Module.h>
 
 #include <cmath>
@@ -315,16 +316,35 @@ class Emitter {
     element(i);
     llvm::Value* next = b.CreateAdd(i, b.getInt64(1), "next", /*HasNUW=*/true, /*HasNSW=*/true);
     i->addIncoming(next, b.GetInsertBlock());
+    llvm::BranchInst* back = nullptr;
     if (!rows) {
-      b.CreateCondBr(b.CreateICmpSLT(next, end), loop, exit);
+      back = b.CreateCondBr(b.CreateICmpSLT(next, end), loop, exit);
     } else {
-      b.CreateCondBr(b.CreateICmpSLT(next, seg_end), loop, latch);
+      back = b.CreateCondBr(b.CreateICmpSLT(next, seg_end), loop, latch);
       b.SetInsertPoint(latch);
       seg_begin->addIncoming(seg_end, latch);
       b.CreateCondBr(b.CreateICmpSLT(seg_end, end), outer, exit);
     }
+    if (!libm_ && HasVectorMath(k)) WideAndInterleaved(back);
     b.SetInsertPoint(exit);
     b.CreateRetVoid();
+  }
+
+  // A loop with vectorised exp, log or tanh is compute-bound on long dependency chains (tanh's f64
+  // polynomial and division): 16 lanes and 4 vectors in flight per iteration, where LLVM's cost model
+  // picked 8 lanes and one vector for tanh. transformer_lm's GELU loops, profiled over 30 steps: fused
+  // loops of 2M elements 0.223 -> 0.151 s, the GELU-backward-and-bias-sum loop 1.55 -> 1.08 ms.
+  // Elementwise results are the same bits at any width and interleave.
+  void WideAndInterleaved(llvm::BranchInst* back) {
+    auto hint = [&](const char* name, int value) {
+      return llvm::MDNode::get(ctx_, {llvm::MDString::get(ctx_, name),
+                                      llvm::ConstantAsMetadata::get(llvm::ConstantInt::get(llvm::Type::getInt32Ty(ctx_), value))});
+    };
+    llvm::TempMDTuple self = llvm::MDNode::getTemporary(ctx_, {});
+    llvm::MDNode* md = llvm::MDNode::get(ctx_, {self.get(), hint("llvm.loop.vectorize.width", 16),
+                                                hint("llvm.loop.interleave.count", 4)});
+    md->replaceOperandWith(0, md);
+    back->setMetadata(llvm::LLVMContext::MD_loop, md);
   }
 
   llvm::Value* LibmCall(llvm::IRBuilder<>& b, const char* name, std::vector<llvm::Value*> args) {
