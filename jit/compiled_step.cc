@@ -599,6 +599,67 @@ void CompiledStep::PlanInPlaceUpdates() {
     in_place_[v] = 1;
   }
   info_.in_place_updates = static_cast<int>(std::count(in_place_.begin(), in_place_.end(), 1));
+
+  // A packed all-gather's slice that is (through reshapes read by nothing else) a variable's new value is
+  // written straight into the variable, not into a buffer copied over it at the end (the sharded weight
+  // update: every weight byte once instead of twice). Under the same conditions as a loop's, with the
+  // all-gather in the loop's place: every reader of the variable's storage runs before it (on every
+  // replica: all reach its rendezvous before anyone writes), nothing after it can fail, and no part it
+  // gathers is read from a variable's storage.
+  gather_slot_.assign(n, -1);
+  info_.gathered_updates = 0;
+  std::vector<int> at_value(n, -1);
+  for (int p = 0; p < end; ++p)
+    if (schedule_[p].kernel < 0) at_value[schedule_[p].value] = p;
+  std::vector<ValueId> gathered_by(n, -1);  // per slice a packed all-gather writes: that all-gather
+  for (ValueId v = 0; v < n; ++v)
+    if (packed_of_[v] >= 0)
+      for (ValueId o : packed_[packed_of_[v]].outs) gathered_by[o] = v;
+  for (const auto& [var, v] : m_.assigns) {
+    if (!swappable_[v] || assigned[var] != 1 || read_at_end[var] || in_place_[v] || !users[v].empty()) continue;
+    if (!(m_.type(v) == m_.at(var).type)) continue;
+    ValueId s = v;
+    bool alone = true;  // each value from the slice up to v is read only by the next
+    while (LoweringOf(m_, s) == Lowering::kAlias) {
+      s = m_.at(s).operands[0];
+      alone &= users[s].size() == 1;
+    }
+    const bool plain = m_.at(s).op == OpCode::kAllGather && packed_of_[s] < 0 && m_.type(s).dtype == DType::kF32;
+    const ValueId g = plain ? s : gathered_by[s];
+    if (!alone || g < 0 || at_value[g] < 0 || may_fail_from[at_value[g] + 1]) continue;
+    bool later = false;
+    for (int p : readers[var]) later |= p >= at_value[g];
+    for (ValueId in : plain ? m_.at(g).operands : packed_[packed_of_[g]].ins) later |= m_.at(root[in]).op == OpCode::kVariable;
+    if (later) continue;
+    gather_slot_[s] = leaf_slot_[var];
+    needs_buffer_[s] = 0;
+    in_place_[v] = 1;
+    ++info_.gathered_updates;
+  }
+}
+
+std::vector<int> CompiledStep::GatheredVariableSlots(int num_replicas) const {
+  std::vector<int> slots;
+  for (ValueId s = 0; s < m_.size(); ++s) {
+    if (gather_slot_[s] < 0) continue;
+    slots.push_back(gather_slot_[s]);
+  }
+  // Only where every all-gather that writes them gathers over all replicas: disjoint groups would
+  // write the same bytes at once.
+  for (ValueId v = 0; v < m_.size(); ++v) {
+    if (m_.at(v).op != OpCode::kAllGather) continue;
+    bool writes_variable = gather_slot_[v] >= 0;
+    if (packed_of_[v] >= 0)
+      for (ValueId o : packed_[packed_of_[v]].outs) writes_variable |= gather_slot_[o] >= 0;
+    if (!writes_variable) continue;
+    for (int r = 0; r < num_replicas; ++r) {
+      const Route& route = routes_[v][std::min<int>(r, static_cast<int>(routes_[v].size()) - 1)];
+      if (!route.error.empty() || static_cast<int>(route.group.size()) != num_replicas) return {};
+    }
+  }
+  std::sort(slots.begin(), slots.end());
+  slots.erase(std::unique(slots.begin(), slots.end()), slots.end());
+  return slots;
 }
 
 // The collective combiner packs tensors into one collective with a concat, and unpacks an all-gather's
@@ -680,8 +741,16 @@ void CompiledStep::PlanPackedCollectives() {
   info_.packed_collectives = static_cast<int>(packed_.size());
 }
 
-void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& group, int replica,
-                                       runtime::Collectives* c, Workspace* ws) const {
+void* CompiledStep::GatheredInto(ValueId v, const StepBinding& b) const {
+  runtime::Tensor& t = *b.variables[gather_slot_[v]];
+  const ir::Instr& var = m_.at(variable_leaf_[gather_slot_[v]]);
+  if (!(t.type == var.type))
+    throw Error(Str("variable \"", var.name, "\": bound to a ", t.type.ToString(), " tensor, the step writes ", var.type.ToString()));
+  return t.raw();
+}
+
+void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& group, const StepBinding& b,
+                                       int replica, runtime::Collectives* c, Workspace* ws) const {
   const ir::Instr& in = m_.at(v);
   const PackedParts& pk = packed_[packed_of_[v]];
   const int parts = static_cast<int>(pk.ins.size());
@@ -694,7 +763,10 @@ void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& g
     return;
   }
   float** outs = ws->part_outs.data();
-  for (int i = 0; i < parts; ++i) outs[i] = static_cast<float*>(ws->ptr[pk.outs[i]]);
+  for (int i = 0; i < parts; ++i) {
+    if (gather_slot_[pk.outs[i]] >= 0) ws->ptr[pk.outs[i]] = GatheredInto(pk.outs[i], b);
+    outs[i] = static_cast<float*>(ws->ptr[pk.outs[i]]);
+  }
   if (c) return c->AllGatherParts(replica, group, ins, pk.lens.data(), parts, outs);
   for (int i = 0; i < parts; ++i) std::copy_n(ins[i], pk.lens[i], outs[i]);
 }
@@ -1228,7 +1300,8 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       if (!route.error.empty()) throw Error(route.error);
       const runtime::ReplicaGroup& group = route.group;
       CheckGroup(in, group, c);
-      if (packed_of_[v] >= 0) return RunPackedCollective(v, group, replica, c, ws);
+      if (packed_of_[v] >= 0) return RunPackedCollective(v, group, b, replica, c, ws);
+      if (gather_slot_[v] >= 0) out = ws->ptr[v] = GatheredInto(v, b);
       const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
       if (!c) {
         std::memcpy(out, P(0), in.type.bytes());

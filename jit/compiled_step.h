@@ -35,6 +35,7 @@ struct CompileInfo {
   int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
   int broadcast_copies = 0;    // copies of a broadcast for its second and later loop readers (never written)
   int in_place_updates = 0;    // variables' new values stored over the old by their loop (PlanInPlaceUpdates)
+  int gathered_updates = 0;    // variables' new values written into them by a packed all-gather (the same)
   int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
@@ -116,6 +117,11 @@ class CompiledStep {
   // The names behind the slots of StepBinding, in slot order (each variable and input once).
   const std::vector<std::string>& variable_names() const { return variable_names_; }
   const std::vector<std::string>& input_names() const { return input_names_; }
+  // The variable slots whose new value a packed all-gather over all `num_replicas` replicas writes
+  // straight into the variable (PlanInPlaceUpdates). In-process replicas may bind each of these slots
+  // to one tensor shared by all: every replica reads it before the all-gather and then each writes
+  // only its own part (runtime::InProcessCollectives::AllGatherParts with one output for all).
+  std::vector<int> GatheredVariableSlots(int num_replicas) const;
   // Point `b`'s slots at the maps' tensors; a missing name is an error naming it. BindOutputs gives
   // `outputs` a tensor of the right type for each output (keeping one already there) and binds it.
   // Sizes the vectors once: binding again with the same step allocates nothing.
@@ -139,9 +145,11 @@ class CompiledStep {
   void RunFusedReductions(int group, Workspace* ws) const;
   void PlanViews();
   void PlanPackedCollectives();
-  void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, int replica, runtime::Collectives* c,
-                           Workspace* ws) const;
+  void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, const StepBinding& b, int replica,
+                           runtime::Collectives* c, Workspace* ws) const;
   void PlanInPlaceUpdates();
+  // The storage of variable gather_slot_[v] in `b`, which all-gather result v is written into.
+  void* GatheredInto(ir::ValueId v, const StepBinding& b) const;
   std::vector<ir::ValueId> PlanReusedInputs(const std::vector<ir::ValueId>& root, std::vector<int>& last);
   void PlanBuffers();
   void RunInstr(ir::ValueId v, const StepBinding& b, int replica, runtime::Collectives* c, Workspace* ws,
@@ -161,7 +169,8 @@ class CompiledStep {
   std::vector<char> needs_buffer_;             // per value
   std::vector<char> swappable_;                // per value: assigned once, not an output
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
-  std::vector<char> in_place_;                 // per value: its kernel writes it into its variable (PlanInPlaceUpdates)
+  std::vector<char> in_place_;                 // per value: its kernel or all-gather writes it into its variable (PlanInPlaceUpdates)
+  std::vector<int> gather_slot_;               // per all-gather result (or packed one's slice): the variable slot it is written into, or -1
   bool reuse_inputs_ = true;                   // PlanReusedInputs runs (SHARDSTEP_JIT_REUSE=0: not, to compare)
   std::vector<char> view_;                     // per value: a view into its operand's storage (PlanViews)
   // Combined collectives run on their parts (PlanPackedCollectives): a reduce-scatter reads the parts of

@@ -2,6 +2,7 @@
 // own workspace and reads its chunk of the global batch in place.
 #include "jit/cpu_executor.h"
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
@@ -43,6 +44,14 @@ bool HoldsWhole(const ir::Module& forward, const TensorMap& state) {
 CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const CpuExecutorOptions& options)
     : ReplicatedExecutor(step, options.collectives), s_(std::make_unique<State>(step.num_replicas)), options_(options) {
   step_ = CompiledStep::Compile(step, options.jit);
+  static const bool share_env = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_SHARE_WEIGHTS");
+    return !(e && std::string(e) == "0");
+  }();
+  // Shared only between threads of one process that exchange through shared memory.
+  if (options.share_weights && share_env && num_replicas() > 1 &&
+      dynamic_cast<runtime::InProcessCollectives*>(&collectives()))
+    shared_slots_ = step_->GatheredVariableSlots(num_replicas());
   LoadLogicalState(state);
 }
 
@@ -54,6 +63,14 @@ StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
   StepBinding& b = s_->bindings[r];
   if (s_->bound_generation[r] != state_generation()) {
     step_->BindVariables(state, &b);
+    // Replica 0's tensor for the shared weights (its map is only read here, by every replica at once);
+    // the replica's own copy is released (the logical state reads replica 0's; a reload makes new maps).
+    if (r > 0)
+      for (int slot : shared_slots_) {
+        const std::string& name = step_->variable_names()[slot];
+        b.variables[slot] = &replica_state(0).at(name);
+        state.at(name) = runtime::Tensor();
+      }
     s_->bound_generation[r] = state_generation();
   }
   b.inputs = s_->inputs.inputs;  // the same size every step: no allocation

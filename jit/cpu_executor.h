@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "jit/compiled_step.h"
 #include "runtime/executor.h"
@@ -13,6 +14,11 @@ struct CpuExecutorOptions {
   // What the replicas exchange through (runtime::ReplicatedExecutor); empty: in-process. The same
   // compiled step runs on any collectives (the tpu-mesh backend passes the emulated torus's).
   runtime::CollectivesFactory collectives;
+  // In-process replicas share one copy of each replicated weight that the sharded weight update's
+  // all-gather writes straight into (CompiledStep::GatheredVariableSlots): the replicas read the same
+  // bytes, and the all-gather writes each byte once instead of once per replica. Same bits either way.
+  // SHARDSTEP_JIT_SHARE_WEIGHTS=0 in the environment turns it off (to compare).
+  bool share_weights = true;
 };
 
 class CpuExecutor : public runtime::ReplicatedExecutor {
@@ -40,6 +46,7 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   // Replica r's binding: its variables bound again only after LoadLogicalState, the inputs per step.
   jit::StepBinding& BindingFor(int r, runtime::TensorMap& state);
   std::unique_ptr<State> s_;
+  std::vector<int> shared_slots_;  // variable slots bound to replica 0's tensor on every replica
   std::shared_ptr<const CompiledStep> step_;
   CpuExecutorOptions options_;
 };

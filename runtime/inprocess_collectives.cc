@@ -86,6 +86,8 @@ struct InProcessCollectives::Slot {
   const float* const* parts = nullptr;
   const int64_t* ns = nullptr;
   int nparts = 0;
+  float* const* outs = nullptr;  // AllGatherParts: the member's outputs
+  float* out = nullptr;          // AllGather: the member's output
 
   bool Reduces() const { return kind == Kind::kAllReduce || kind == Kind::kReduceScatter || kind == Kind::kReduceScatterParts; }
   bool Matches(const Slot& o) const {
@@ -114,6 +116,26 @@ struct InProcessCollectives::Group {
       }
     }
     const Slot& s = slots[0];
+    if (s.kind == Kind::kAllGather) {  // one output for all members, or each its own
+      shared_outs.assign(1, 1);
+      for (int p = 1; p < size(); ++p) shared_outs[0] &= slots[p].out == s.out;
+      for (int p = 0; p < size() && !shared_outs[0]; ++p)
+        for (int q = p + 1; q < size(); ++q)
+          if (slots[p].out == slots[q].out)
+            return Str("AllGather in replica group ", GroupString(members), ": replicas ", members[p], " and ", members[q],
+                       " write into the same buffer but others do not");
+    }
+    if (s.kind == Kind::kAllGatherParts) {  // per part: one output for all members, or each its own
+      shared_outs.assign(s.nparts, 1);  // capacity kept: no allocation after the first call
+      for (int i = 0; i < s.nparts; ++i) {
+        for (int p = 1; p < size(); ++p) shared_outs[i] &= slots[p].outs[i] == s.outs[i];
+        for (int p = 0; p < size() && !shared_outs[i]; ++p)
+          for (int q = p + 1; q < size(); ++q)
+            if (slots[p].outs[i] == slots[q].outs[i])
+              return Str("AllGatherParts in replica group ", GroupString(members), ": replicas ", members[p], " and ",
+                         members[q], " write part ", i, " into the same buffer but others do not");
+      }
+    }
     const int64_t need = s.kind == Kind::kAllReduce ? s.n : 0;
     if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
     reading = s.kind == Kind::kBarrier ? 0 : size();
@@ -155,6 +177,7 @@ struct InProcessCollectives::Group {
   int reading = 0;           // members in the work phase, possibly reading other members' buffers
   std::vector<Slot> slots;   // one per position, written under mu before the publish rendezvous
   std::vector<float> scratch;
+  std::vector<char> shared_outs;  // AllGatherParts, per part: every member passed the same output (Prepare)
   std::chrono::steady_clock::time_point started;  // the last arrival of the current collective
   std::atomic<int> leaving{0};
   int left = 0;                  // phase timing: members that left, under mu
@@ -311,9 +334,12 @@ void InProcessCollectives::AllGather(int replica, const ReplicaGroup& group, con
   int p;
   Group& g = Enter(replica, group, n, &p);
   CheckDisjoint("AllGather", in, n, out, n * g.size());
-  const Slot slot{Kind::kAllGather, n, Reduction::kSum, 0, in};
+  Slot slot{Kind::kAllGather, n, Reduction::kSum, 0, in};
+  slot.out = out;
   Sync(g, p, &slot);
-  for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].in, n, out + q * n);
+  if (g.shared_outs[0]) std::copy_n(in, n, out + p * n);  // one output for all: each member writes its own chunk
+  else
+    for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].in, n, out + q * n);
   Sync(g, p, nullptr);
   Leave(g);
 }
@@ -347,9 +373,15 @@ void InProcessCollectives::AllGatherParts(int replica, const ReplicaGroup& group
   slot.parts = ins;
   slot.ns = ns;
   slot.nparts = parts;
+  slot.outs = outs;
   Sync(g, p, &slot);
-  for (int i = 0; i < parts; ++i)
+  for (int i = 0; i < parts; ++i) {
+    if (g.shared_outs[i]) {  // one output for all: each member writes its own row
+      std::copy_n(ins[i], ns[i], outs[i] + p * ns[i]);
+      continue;
+    }
     for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].parts[i], ns[i], outs[i] + q * ns[i]);
+  }
   Sync(g, p, nullptr);
   Leave(g);
 }

@@ -12,6 +12,9 @@
 // Every byte crosses memory once per member: no staging copies for ReduceScatter and AllGather,
 // which the sharded weight update uses for its largest tensors. Their Parts forms read (and write)
 // each tensor of a combined collective where it is, so the combiner's packing costs no copy either.
+// AllGather and AllGatherParts may be given the same output (per part) by every member (replicas that
+// share one copy of a replicated weight, jit::CpuExecutor): each member then writes only its own chunk
+// and the done rendezvous publishes the whole; some members sharing an output and others not is an error.
 // Element j is always folded in group order (position 0 first) by one function, so AllReduce has
 // exactly the bits of ReduceScatter + AllGather and the bits never depend on thread timing. "max"
 // propagates NaN. AllReduce works in place; the input and output of ReduceScatter and AllGather must

@@ -2,6 +2,7 @@
 // replicated bitwise identity on the JIT, the ElementwiseFuser's groups, and the compile cache.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -161,6 +162,56 @@ TEST_CASE("sharded and replicated Adam on the JIT are bitwise identical for the 
     INFO("variable " << name << ": " << Describe(t, y.at(name)));
     CHECK(t == y.at(name));
   }
+}
+
+// The sharded update's all-gathers write the weights straight into their variables
+// (CompiledStep::PlanInPlaceUpdates), and in-process replicas then share one copy of each such weight
+// (CpuExecutorOptions::share_weights): the same bits as private copies, through a reload of the state.
+TEST_CASE("in-process replicas share the weights the sharded update gathers into, with private copies' bits",
+          "[jit][sharding]") {
+  constexpr int kSteps = 6, kReplicas = 4;
+  const auto batches = Batches(false, kSteps);
+  dsl::Program sh = Build(false, dsl::Adam().lr(1e-3), kReplicas, true);
+  const bool with_output = GENERATE(false, true);
+  ir::ValueId fc1_w = -1;
+  for (ir::ValueId v = 0; v < sh.step.size(); ++v)
+    if (sh.step.at(v).op == ir::OpCode::kVariable && sh.step.at(v).name == "fc1.w") fc1_w = v;
+  REQUIRE(fc1_w >= 0);
+  // An output of the old weight is read at the step's end: that weight keeps its own buffer.
+  if (with_output) sh.step.outputs.push_back({"fc1.w_before", fc1_w});
+  INFO("with an output of @fc1.w: " << with_output);
+  const TensorMap init = InitLogicalState(sh.step);
+  jit::CpuExecutorOptions shared, own;
+  own.share_weights = false;
+  jit::CpuExecutor a(sh.step, init, shared), b(sh.step, init, own);
+  const int gathered = a.compile_info().gathered_updates;
+  CHECK(gathered >= (with_output ? 1 : 2));  // fc1.w and fc2.w at least (a padded bias is sliced out of its rows: a copy)
+  CHECK_FALSE(a.compiled().GatheredVariableSlots(kReplicas).empty());
+  const auto names = a.compiled().variable_names();
+  const auto slots = a.compiled().GatheredVariableSlots(kReplicas);
+  const bool fc1_shared =
+      std::find_if(slots.begin(), slots.end(), [&](int s) { return names[s] == "fc1.w"; }) != slots.end();
+  CHECK(fc1_shared == !with_output);
+  TensorMap before = init;
+  for (int i = 0; i < kSteps; ++i) {
+    if (i == 3) {  // a reload binds the replicas again
+      a.LoadLogicalState(a.LogicalState());
+      b.LoadLogicalState(b.LogicalState());
+    }
+    const TensorMap oa = a.Step(batches[i]), ob = b.Step(batches[i]);
+    CHECK(oa.at("loss") == ob.at("loss"));
+    if (with_output) CHECK(oa.at("fc1.w_before") == before.at("fc1.w"));
+    before = a.LogicalState();
+  }
+  const TensorMap x = a.LogicalState(), y = b.LogicalState();
+  for (auto& [name, t] : x) {
+    INFO("variable " << name << ": " << Describe(t, y.at(name)));
+    CHECK(t == y.at(name));
+    CHECK_FALSE(t == init.at(name));
+  }
+  TensorMap images;  // one replica's batch
+  for (const char* name : {"image", "label"}) images[name] = SliceBatch(batches[0].at(name), kReplicas, 0);
+  CHECK(a.Forward(sh.forward, images).at("logits") == b.Forward(sh.forward, images).at("logits"));
 }
 
 TEST_CASE("the JIT executor's state round-trips and matches the interpreter at N=2 sharded", "[jit][sharding]") {

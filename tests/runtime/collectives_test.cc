@@ -514,6 +514,59 @@ TEST_CASE("InProcessCollectives: out-of-place all-reduce has the in-place bits a
   }
 }
 
+TEST_CASE("InProcessCollectives: members that pass one shared output each write only their own chunk",
+          "[collectives]") {
+  const int n = 6;
+  const std::vector<int64_t> ns = {5, 0, 1001};
+  Buffers in(n);
+  for (int r = 0; r < n; ++r) in[r] = RandomData(70 + r, 1006);
+  // Part 0 and 2 shared by all members (with a sentinel after the end: nothing writes past it), part 1
+  // (empty) each its own; the plain all-gather into one shared buffer too.
+  std::vector<float> shared0(n * 5 + 1, -7.0f), shared2(n * 1001 + 1, -7.0f), shared_plain(n * 1006 + 1, -7.0f);
+  Buffers own1(n, std::vector<float>(1, -7.0f));
+  InProcessCollectives c(n);
+  for (int round = 0; round < 3; ++round) {
+    RunReplicas(n, &c, [&](int r) {
+      const float* ins[] = {in[r].data(), in[r].data() + 5, in[r].data() + 5};
+      float* outs[] = {shared0.data(), own1[r].data(), shared2.data()};
+      c.AllGatherParts(r, Iota(0, n), ins, ns.data(), 3, outs);
+      c.AllGather(r, Iota(0, n), in[r].data(), shared_plain.data(), 1006);
+    });
+    for (int q = 0; q < n; ++q) {
+      INFO("round " << round << " chunk " << q);
+      CHECK(BitDiff(std::vector<float>(shared0.begin() + q * 5, shared0.begin() + (q + 1) * 5),
+                    std::vector<float>(in[q].begin(), in[q].begin() + 5)) == "");
+      CHECK(BitDiff(std::vector<float>(shared2.begin() + q * 1001, shared2.begin() + (q + 1) * 1001),
+                    std::vector<float>(in[q].begin() + 5, in[q].end())) == "");
+      CHECK(BitDiff(std::vector<float>(shared_plain.begin() + q * 1006, shared_plain.begin() + (q + 1) * 1006), in[q]) ==
+            "");
+    }
+    CHECK(shared0.back() == -7.0f);
+    CHECK(shared2.back() == -7.0f);
+    CHECK(shared_plain.back() == -7.0f);
+  }
+  SECTION("some members sharing an output and others not is an error, not a race") {
+    InProcessCollectives c3(3);
+    std::vector<float> a(3), b(3);
+    CHECK_THROWS_WITH(RunReplicas(3, &c3,
+                                  [&](int r) {
+                                    const float x = 1.0f;
+                                    c3.AllGather(r, Iota(0, 3), &x, r == 2 ? b.data() : a.data(), 1);
+                                  }),
+                      Catch::Contains("replicas 0 and 1 write into the same buffer but others do not"));
+    InProcessCollectives c4(3);
+    CHECK_THROWS_WITH(RunReplicas(3, &c4,
+                                  [&](int r) {
+                                    const float x = 1.0f;
+                                    const float* ins[] = {&x};
+                                    const int64_t len[] = {1};
+                                    float* outs[] = {r == 0 ? b.data() : a.data()};
+                                    c4.AllGatherParts(r, Iota(0, 3), ins, len, 1, outs);
+                                  }),
+                      Catch::Contains("replicas 1 and 2 write part 0 into the same buffer but others do not"));
+  }
+}
+
 TEST_CASE("InProcessCollectives counts communication time, and with phase timing members leave together",
           "[collectives]") {
   const int n = 4;
