@@ -422,8 +422,12 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
               << "jit buffer plan per replica: " << std::fixed << std::setprecision(3) << ci.arena_bytes / 1048576.0
               << " MiB arena for " << ci.buffer_bytes / 1048576.0 << " MiB of temporaries, plus "
               << ci.swapped_bytes / 1048576.0 << " MiB of new variable values (" << ci.in_place_updates
-              << " variables updated in place; " << ci.reused_inputs << " loop outputs stored over a dead input)\n"
-              << std::defaultfloat;
+              << " variables updated in place by their loop, " << ci.gathered_updates << " by their all-gather; "
+              << ci.reused_inputs << " loop outputs stored over a dead input)\n";
+    if (cpu->shared_weights() > 0)
+      std::cout << "replicas share " << cpu->shared_weights() << " weights (" << cpu->shared_weight_bytes() / 1048576.0
+                << " MiB): one copy in this process instead of one per replica\n";
+    std::cout << std::defaultfloat;
   }
   runtime::TrainOptions o;
   o.steps = t.steps;

@@ -529,27 +529,36 @@ void CompiledStep::PlanInPlaceUpdates() {
   std::vector<int> kernel_of(n, -1), at_kernel(kernels_.size(), -1);
   for (size_t kk = 0; kk < kernels_.size(); ++kk)
     for (ValueId v : kernels_[kk].members) kernel_of[v] = static_cast<int>(kk);
-  // Per position: whether it or anything after it may fail on the data.
-  std::vector<char> may_fail_from(end + 1, 0);
+  // Per position: whether it or anything after it may fail on the data. And the same once every replica
+  // has reached a collective of this step (its rendezvous): every replica then reaches each later
+  // collective too unless something that can fail on the data runs in between, so a later collective
+  // fails only if its replica group is invalid (known at planning) or it is a permute (mailboxes).
+  std::vector<char> may_fail_from(end + 1, 0), may_fail_after_rendezvous(end + 1, 0);
   for (int p = end - 1; p >= 0; --p) {
     const Step& s = schedule_[p];
-    bool fails = false;
+    bool fails = false, fails_after_rendezvous = false;
     if (s.kernel < 0) {
       const OpCode op = m_.at(s.value).op;
       switch (LoweringOf(m_, s.value)) {
         case Lowering::kLeaf:
         case Lowering::kAlias:
         case Lowering::kMatmul: break;
-        case Lowering::kCollective: fails = true; break;
+        case Lowering::kCollective:
+          fails = true;
+          fails_after_rendezvous = op == OpCode::kCollectivePermute;
+          for (const Route& route : routes_[s.value]) fails_after_rendezvous |= !route.error.empty();
+          break;
         default:
           fails = !(op == OpCode::kBroadcast || op == OpCode::kTranspose || op == OpCode::kReshape ||
                     op == OpCode::kSlice || op == OpCode::kPad || op == OpCode::kConcat || op == OpCode::kReduceSum ||
                     op == OpCode::kReduceMean || op == OpCode::kReduceMax);
       }
+      if (LoweringOf(m_, s.value) != Lowering::kCollective) fails_after_rendezvous = fails;
     } else {
       at_kernel[s.kernel] = p;
     }
     may_fail_from[p] = fails || may_fail_from[p + 1];
+    may_fail_after_rendezvous[p] = fails_after_rendezvous || may_fail_after_rendezvous[p + 1];
   }
   // Per storage root: the positions that read it, and whether the step's end reads it.
   std::vector<std::vector<int>> readers(n);
@@ -604,8 +613,9 @@ void CompiledStep::PlanInPlaceUpdates() {
   // written straight into the variable, not into a buffer copied over it at the end (the sharded weight
   // update: every weight byte once instead of twice). Under the same conditions as a loop's, with the
   // all-gather in the loop's place: every reader of the variable's storage runs before it (on every
-  // replica: all reach its rendezvous before anyone writes), nothing after it can fail, and no part it
-  // gathers is read from a variable's storage.
+  // replica: all reach its rendezvous before anyone writes), nothing after it can fail (later collectives
+  // included: all replicas passed this one's rendezvous), and no part it gathers is read from a
+  // variable's storage.
   gather_slot_.assign(n, -1);
   info_.gathered_updates = 0;
   std::vector<int> at_value(n, -1);
@@ -626,7 +636,7 @@ void CompiledStep::PlanInPlaceUpdates() {
     }
     const bool plain = m_.at(s).op == OpCode::kAllGather && packed_of_[s] < 0 && m_.type(s).dtype == DType::kF32;
     const ValueId g = plain ? s : gathered_by[s];
-    if (!alone || g < 0 || at_value[g] < 0 || may_fail_from[at_value[g] + 1]) continue;
+    if (!alone || g < 0 || at_value[g] < 0 || may_fail_after_rendezvous[at_value[g] + 1]) continue;
     bool later = false;
     for (int p : readers[var]) later |= p >= at_value[g];
     for (ValueId in : plain ? m_.at(g).operands : packed_[packed_of_[g]].ins) later |= m_.at(root[in]).op == OpCode::kVariable;

@@ -117,6 +117,7 @@ class CompiledStep {
   // The names behind the slots of StepBinding, in slot order (each variable and input once).
   const std::vector<std::string>& variable_names() const { return variable_names_; }
   const std::vector<std::string>& input_names() const { return input_names_; }
+  ir::ValueId VariableLeaf(int slot) const { return variable_leaf_[slot]; }  // the slot's first instruction
   // The variable slots whose new value a packed all-gather over all `num_replicas` replicas writes
   // straight into the variable (PlanInPlaceUpdates). In-process replicas may bind each of these slots
   // to one tensor shared by all: every replica reads it before the all-gather and then each writes

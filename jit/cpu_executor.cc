@@ -57,6 +57,12 @@ CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const C
 
 CpuExecutor::~CpuExecutor() = default;
 
+int64_t CpuExecutor::shared_weight_bytes() const {
+  int64_t bytes = 0;
+  for (int slot : shared_slots_) bytes += step_->module().at(step_->VariableLeaf(slot)).type.bytes();
+  return bytes;
+}
+
 void CpuExecutor::BeginStep(const TensorMap& global_inputs) { step_->BindInputs(global_inputs, &s_->inputs); }
 
 StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {

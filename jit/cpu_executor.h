@@ -31,6 +31,10 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   // How the training step was obtained (compiled, or from the disk / memory cache) and how long it took.
   const CompileInfo& compile_info() const { return step_->info(); }
   const CompiledStep& compiled() const { return *step_; }
+  // The weights the replicas share (one copy for all; CpuExecutorOptions::share_weights): how many, and
+  // their bytes (each replica but the first saves that much).
+  int shared_weights() const { return static_cast<int>(shared_slots_.size()); }
+  int64_t shared_weight_bytes() const;
 
  protected:
   runtime::TensorMap RunReplica(int r, const runtime::TensorMap& global_inputs, runtime::TensorMap& state,

@@ -4,7 +4,8 @@
 // output, another assignment, a later copy) keeps its own buffer and every reader sees the old value; and
 // when an instruction that can fail runs after the loop, nothing is updated in place, so a failed step
 // leaves every variable as it was. The same mechanism stores a loop's output over a temporary the loop
-// reads last (PlanReusedInputs), checked at the end.
+// reads last (PlanReusedInputs), and an all-gather's result into the variable it is assigned to (the
+// sharded weight update's), both checked at the end.
 #include <catch2/catch.hpp>
 
 #include <string>
@@ -12,7 +13,9 @@
 
 #include "ir/builder.h"
 #include "jit/compiled_step.h"
+#include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
+#include "runtime/replica_runner.h"
 
 namespace shardstep {
 namespace {
@@ -222,5 +225,83 @@ TEST_CASE("a loop output is stored over a temporary the loop reads last, and onl
   }
 }
 
+
+// An all-gather whose result is a variable's new value writes it into the variable (two replicas):
+// w' = all_gather(x * 0.5 + 1), w f32[4,3], each replica's x f32[2,3]. Integer-valued data: exact.
+struct Gathered {
+  ir::Module m;
+  ir::ValueId w = -1, gathered = -1;
+};
+
+Gathered MakeGathered() {
+  Gathered g;
+  g.m.name = "gathered";
+  g.m.num_replicas = 2;
+  ir::Builder b(&g.m);
+  g.w = b.Variable("w", {ir::DType::kF32, {4, 3}}, ir::kRoleWeight);
+  const ir::ValueId x = b.Input("x", {ir::DType::kF32, {2, 3}});
+  g.m.outputs.push_back({"w_sum", b.SumAll(g.w)});  // a reader before the all-gather: does not stop it
+  g.gathered = b.Emit(ir::OpCode::kAllGather, {b.AddScalar(b.MulScalar(x, 0.5), 1)}, {{"group_size", int64_t{2}}});
+  g.m.assigns = {{g.w, g.gathered}};
+  return g;
+}
+
+// Two steps on two replicas; each replica's @w must be the gathered rows, every output the
+// interpreter's (its RunStep on the same collectives), and @w's storage where it was when `in_place`.
+// Each section is a mutation check of one condition (the counts fail if the condition is dropped).
+void CheckGathered(const ir::Module& m, int gathered, bool in_place) {
+  auto step = Compile(m);
+  CHECK(step->info().gathered_updates == gathered);
+  const ir::TensorType wt{ir::DType::kF32, {4, 3}}, xt{ir::DType::kF32, {2, 3}};
+  std::vector<TensorMap> jit_vars(2), ref_vars(2), jit_out(2), ref_out(2);
+  for (int r = 0; r < 2; ++r) {
+    for (ir::ValueId v = 0; v < m.size(); ++v)
+      if (m.at(v).op == ir::OpCode::kVariable) jit_vars[r][m.at(v).name] = Ramp(m.at(v).type, 1, 3);
+    ref_vars[r] = jit_vars[r];
+  }
+  const float* storage[] = {jit_vars[0].at("w").f32.data(), jit_vars[1].at("w").f32.data()};
+  std::vector<jit::Workspace> ws(2);
+  runtime::InProcessCollectives c(2), ref_c(2);
+  for (int s = 0; s < 2; ++s) {
+    INFO("step " << s + 1);
+    std::vector<TensorMap> in(2);
+    for (int r = 0; r < 2; ++r) in[r] = {{"x", Ramp(xt, 1, static_cast<float>(10 * s + 4 * r))}};
+    runtime::RunReplicas(2, &c, [&](int r) { jit_out[r] = step->Run(jit_vars[r], in[r], r, &c, &ws[r]); });
+    runtime::RunReplicas(2, &ref_c, [&](int r) { ref_out[r] = runtime::RunStep(m, ref_vars[r], in[r], r, &ref_c); });
+    for (int r = 0; r < 2; ++r) {
+      INFO("replica " << r);
+      CHECK(jit_out[r] == ref_out[r]);
+      CHECK(jit_vars[r] == ref_vars[r]);
+      if (in_place) CHECK(jit_vars[r].at("w").f32.data() == storage[r]);  // (a swapped buffer may come back too)
+    }
+  }
+}
+
+TEST_CASE("an all-gather's result assigned to its variable is written into it, and only then", "[jit][in_place]") {
+  SECTION("nothing reads @w after the all-gather: written in place") { CheckGathered(MakeGathered().m, 1, true); }
+  SECTION("an output of @w itself") {
+    Gathered g = MakeGathered();
+    g.m.outputs.push_back({"old", g.w});
+    CheckGathered(g.m, 0, false);
+  }
+  SECTION("a copy of @w scheduled after the all-gather") {
+    Gathered g = MakeGathered();
+    ir::Builder b(&g.m);
+    g.m.outputs.push_back({"t", b.Transpose(g.w, {1, 0})});
+    CheckGathered(g.m, 0, false);
+  }
+  SECTION("the all-gather's result is also an output") {
+    Gathered g = MakeGathered();
+    g.m.outputs.push_back({"new", g.gathered});
+    CheckGathered(g.m, 0, false);
+  }
+  SECTION("an instruction that can fail after the all-gather") {
+    Gathered g = MakeGathered();
+    ir::Builder b(&g.m);
+    g.m.outputs.push_back({"q", b.Emit(ir::OpCode::kDiv, {b.Input("n", {ir::DType::kS32, {}}), b.Input("d", {ir::DType::kS32, {}})})});
+    auto step = Compile(g.m);
+    CHECK(step->info().gathered_updates == 0);
+  }
+}
 }  // namespace
 }  // namespace shardstep
