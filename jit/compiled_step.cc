@@ -1300,7 +1300,7 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
     case Lowering::kMatmul: {
       const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
       const int64_t mm = in.type.shape[0], nn = in.type.shape[1], k = ta ? shape(0)[0] : shape(0)[1];
-      ParallelSgemm(ta, tb, mm, nn, k, static_cast<const float*>(P(0)), shape(0)[1], static_cast<const float*>(P(1)),
+      StepSgemm(ta, tb, mm, nn, k, static_cast<const float*>(P(0)), shape(0)[1], static_cast<const float*>(P(1)),
                     shape(1)[1], static_cast<float*>(out));
       return;
     }

@@ -17,6 +17,20 @@ void DnnlSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a
 void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                    int64_t ldb, float* c);
 
+// A step's 2-D matmul, called from the replica thread (not from a TBB task: it may use that thread's
+// scratch). As ParallelSgemm, except C = A B^T with few rows and a leading dimension that is a multiple
+// of 512 floats (a replica's slice of the batch times a weight in the backward pass: dX = dY W^T) is
+// computed turned around, C^T = B A^T, and transposed back. oneDNN packs B^T for each such call, and
+// B's rows 2 KiB apart alias in the cache: at m = 16, n = k = 1024 the direct call is 3.2x slower
+// (bench/sgemm_shapes). The choice depends only on the shapes, so the bits do too.
+void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+               int64_t ldb, float* c);
+// Whether StepSgemm computes this product turned around.
+bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k);
+// Row-major C[m,n] = A[m,k] B[n,k]^T computed turned around (the calling thread's scratch holds A^T
+// and C^T).
+void TurnedSgemmNT(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c);
+
 // C = op(A) op(B) for operands holding bf16 values (f32 whose low 16 bits are zero: the
 // mixed-precision pass's rounded operands) as oneDNN bf16 x bf16 -> f32 matmuls (AVX512-BF16 where the
 // CPU has it): exact products, f32 accumulation, as the f32 sgemm on the same values up to the order

@@ -37,6 +37,7 @@
 #include "jit/compiled_step.h"
 #include "jit/cpu_executor.h"
 #include "jit/data_movement.h"
+#include "jit/dnnl_kernels.h"
 #include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
 #include "runtime/replica_runner.h"
@@ -418,6 +419,12 @@ std::vector<Case> CasesFor(OpCode op) {
         CaseBuilder a(name + " 256x128x130 (row blocks)", Tolerance::Sum(130));
         auto x = a.In(F({256, 130})), y = a.In(F({130, 128}));
         out.push_back(a.Out(a.b.Matmul(x, y)));
+      }
+      {  // dX = dY W^T with a replica's 16 rows: StepSgemm computes it turned around (C^T = W dY^T)
+        SS_CHECK(jit::SgemmTurnsAround(false, true, 16, 128, 512), "the case no longer covers the turned path");
+        CaseBuilder a(name + " 16x128x512 tb=1 (turned around)", Tolerance::Sum(512));
+        auto x = a.In(F({16, 512})), y = a.In(F({128, 512}));
+        out.push_back(a.Out(a.b.Matmul(x, y, false, true)));
       }
       // Batched: leading dimensions are independent products (attention's [B,H,T,D] x [B,H,T,D]^T).
       for (int ta = 0; ta < 2; ++ta)
