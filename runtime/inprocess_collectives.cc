@@ -149,10 +149,13 @@ struct InProcessCollectives::Group {
   }
   // The same over the elements at source(p) of each position p, a chunk of kFoldChunk elements at a
   // time: each output element still folds its positions in group order (the same bits), but the chunk
-  // stays in L1 while the positions are added instead of streaming the whole output once per position.
+  // stays in L2 while the positions are added instead of streaming the whole output once per position.
+  // 128 KiB chunks: each position's read is a long enough run for the prefetchers (MLP N=8 train,
+  // alternated pairs: 2048 -> 8192 elements 3-7% faster in 4 of 4, -> 32768 a further 2-7% in 4 of 4,
+  // -> 131072 level or slower).
   template <typename Source>
   void FoldFrom(Source source, int64_t count, Reduction op, float* out) const {
-    constexpr int64_t kFoldChunk = 2048;
+    constexpr int64_t kFoldChunk = 32768;
     for (int64_t c0 = 0; c0 < count; c0 += kFoldChunk) {
       const int64_t len = std::min(kFoldChunk, count - c0);
       float* o = out + c0;
