@@ -411,6 +411,7 @@ void CompiledStep::Plan(bool fuse_reductions) {
   // 4. What the driver does at each step; constants need nothing at run time (filled at allocation),
   // nor do the concats and slices whose copies a packed collective saves.
   PlanPackedCollectives();
+  PlanRowBlocks();
   for (const Step& s : schedule_) {
     DriverStep d;
     if (s.kernel >= 0 && reduce_group_of_kernel_[s.kernel] >= 0) {  // the loop and its reductions
@@ -437,6 +438,7 @@ void CompiledStep::Plan(bool fuse_reductions) {
         d.source = in.operands[0];
         break;
       case Lowering::kMatmul: {
+        if (row_blocks_[s.value] > 0) break;  // RunInstr: row blocks, or folded by its reduce-scatter
         const Shape& a = m_.type(in.operands[0]).shape;
         d.kind = DriverStep::Kind::kSgemm;
         d.ta = in.GetInt("transpose_a", 0) != 0;
@@ -461,6 +463,7 @@ void CompiledStep::Plan(bool fuse_reductions) {
   PlanLeafSlots();
   PlanViews();
   PlanInPlaceUpdates();
+  PlanProductParts();
   static const bool reuse = [] {
     const char* e = std::getenv("SHARDSTEP_JIT_REUSE");
     return !(e && std::string(e) == "0");
@@ -681,6 +684,98 @@ std::vector<int> CompiledStep::GatheredVariableSlots(int num_replicas) const {
 // pass left it, and the all-gather writes every weight byte once where the assignment takes it from.
 // Only where the concat (and the all-gather's result) has no other reader and every slice is one
 // part's whole columns; anything else keeps the packed form.
+namespace {
+void ProduceRowBlock(const void* context, int64_t chunk, float* dst) {
+  const ProductOperands& p = *static_cast<const ProductOperands*>(context);
+  SgemmRowBlock(p.ta, p.tb, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.blocks, chunk, dst);
+}
+}  // namespace
+
+// A weight gradient's product, C = A^T B, in a step of N > 1 replicas: N row blocks (RowBlockSgemm)
+// when its rows divide by N. Chunk p of its reduce-scatter over all N replicas is then row block p,
+// which SgemmRowBlock computes anywhere with the same bits (PlanProductParts). The rule depends only
+// on the product's shape and N, so a replicated step (an all-reduce instead) computes the same bits.
+void CompiledStep::PlanRowBlocks() {
+  const int n = m_.size(), replicas = m_.num_replicas;
+  row_blocks_.assign(n, 0);
+  if (replicas <= 1) return;
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (LoweringOf(m_, v) != Lowering::kMatmul || in.type.dtype != DType::kF32) continue;
+    if (in.GetInt("transpose_a", 0) == 0 || in.GetInt("transpose_b", 0) != 0) continue;
+    if (in.type.shape[0] % replicas == 0 && in.type.shape[0] >= replicas) row_blocks_[v] = replicas;
+  }
+}
+
+// The products a packed reduce-scatter folds straight from their operands when the collectives allow
+// it (Collectives::FoldsProducts: in-process replicas): part i is, through reshapes, a row-blocked
+// product read by nothing else, over a group of all N replicas, whose chunk is one row block. Member
+// p then computes row block p of every member's product and folds them in group order: no product is
+// written out whole and read back (at N = 8 on the MLP, 8 x 7.1 MB a step), the same bits. The
+// product's operands live until the collective; the product itself is not run (RunInstr).
+void CompiledStep::PlanProductParts() {
+  const int n = m_.size();
+  folded_.assign(n, 0);
+  info_.folded_products = 0;
+  const auto users = m_.Users();
+  std::vector<char> kept(n, 0);  // assigned or an output
+  for (const auto& [var, v] : m_.assigns) kept[v] = 1;
+  for (const auto& [name, v] : m_.outputs) kept[v] = 1;
+  auto plain_storage = [&](ValueId o) {  // not a variable's storage, nor written into one
+    ValueId r = o;
+    while (LoweringOf(m_, r) == Lowering::kAlias || view_[r]) r = m_.at(r).operands[0];
+    return m_.at(r).op != OpCode::kVariable && !in_place_[r] && !swappable_[r];
+  };
+  // The product a part of `len` elements per member is (through reshapes, each read only by the next),
+  // or -1.
+  auto product_of = [&](ValueId part, int64_t len) -> ValueId {
+    ValueId d = part;
+    bool ok = !kept[d] && users[d].size() == 1;
+    while (ok && LoweringOf(m_, d) == Lowering::kAlias) {
+      d = m_.at(d).operands[0];
+      ok = !kept[d] && users[d].size() == 1 && !view_[d];
+    }
+    if (!ok || row_blocks_[d] != m_.num_replicas || in_place_[d] || swappable_[d]) return -1;
+    const ir::Instr& di = m_.at(d);
+    if (len * m_.num_replicas != di.type.elements()) return -1;
+    if (!plain_storage(di.operands[0]) || !plain_storage(di.operands[1])) return -1;
+    folded_[d] = 1;
+    ++info_.folded_products;
+    return d;
+  };
+  plain_product_.assign(n, -1);
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m_.at(v);
+    if (in.op != OpCode::kReduceScatter || in.type.dtype != DType::kF32) continue;
+    bool all_replicas = !routes_[v].empty();
+    for (const Route& route : routes_[v])
+      all_replicas = all_replicas && route.error.empty() && static_cast<int>(route.group.size()) == m_.num_replicas;
+    if (!all_replicas) continue;
+    if (packed_of_[v] < 0) {
+      plain_product_[v] = product_of(in.operands[0], in.type.elements());
+      continue;
+    }
+    PackedParts& pk = packed_[packed_of_[v]];
+    pk.products.assign(pk.ins.size(), -1);
+    for (size_t i = 0; i < pk.ins.size(); ++i) pk.products[i] = product_of(pk.ins[i], pk.lens[i]);
+  }
+}
+
+void CompiledStep::BindProduct(ValueId d, const Workspace& ws, ProductOperands* po) const {
+  const ir::Instr& di = m_.at(d);
+  const Shape& a = m_.type(di.operands[0]).shape;
+  po->ta = di.GetInt("transpose_a", 0) != 0;
+  po->tb = di.GetInt("transpose_b", 0) != 0;
+  po->m = di.type.shape[0];
+  po->n = di.type.shape[1];
+  po->k = po->ta ? a[0] : a[1];
+  po->a = static_cast<const float*>(ws.ptr[di.operands[0]]);
+  po->lda = a[1];
+  po->b = static_cast<const float*>(ws.ptr[di.operands[1]]);
+  po->ldb = m_.type(di.operands[1]).shape[1];
+  po->blocks = row_blocks_[d];
+}
+
 void CompiledStep::PlanPackedCollectives() {
   const int n = m_.size();
   const auto users = m_.Users();
@@ -768,6 +863,19 @@ void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& g
   for (int i = 0; i < parts; ++i) ins[i] = static_cast<const float*>(ws->ptr[pk.ins[i]]);
   if (in.op == OpCode::kReduceScatter) {
     float* out = static_cast<float*>(ws->ptr[v]);
+    if (c && !pk.products.empty() && c->FoldsProducts()) {
+      runtime::PartProducer* producers = ws->part_producers.data();
+      for (int i = 0; i < parts; ++i) {
+        const ValueId d = pk.products[i];
+        if (d < 0) {
+          producers[i] = {};
+          continue;
+        }
+        BindProduct(d, *ws, &ws->product_operands[i]);
+        producers[i] = {&ProduceRowBlock, &ws->product_operands[i]};
+      }
+      return c->ReduceScatterProducts(replica, group, ins, producers, pk.lens.data(), parts, out, ReductionOf(in));
+    }
     if (c) return c->ReduceScatterParts(replica, group, ins, pk.lens.data(), parts, out, ReductionOf(in));
     for (int64_t i = 0, col = 0; i < parts; col += pk.lens[i++]) std::copy_n(ins[i], pk.lens[i], out + col);  // one replica
     return;
@@ -919,8 +1027,14 @@ void CompiledStep::PlanBuffers() {
     } else {
       first[s.value] = p;
       for (ValueId o : m_.at(s.value).operands) read(o, p);
-      if (const int k = packed_of_[s.value]; k >= 0)
+      if (const ValueId d = plain_product_[s.value]; d >= 0)  // a product its reduce-scatter folds
+        for (ValueId o : m_.at(d).operands) read(o, p);
+      if (const int k = packed_of_[s.value]; k >= 0) {
         for (ValueId o : packed_[k].ins) read(o, p);  // read in place of its concat
+        for (ValueId d : packed_[k].products)          // and the products it folds, from their operands
+          if (d >= 0)
+            for (ValueId o : m_.at(d).operands) read(o, p);
+      }
     }
   }
   // A packed all-gather writes its slices: they live from there.
@@ -1212,6 +1326,8 @@ void CompiledStep::Allocate(Workspace* ws) const {
   for (const PackedParts& pk : packed_) parts = std::max(parts, pk.ins.size());
   ws->part_ins.assign(parts, nullptr);
   ws->part_outs.assign(parts, nullptr);
+  ws->part_producers.assign(parts, runtime::PartProducer{});
+  ws->product_operands.assign(std::max<size_t>(parts, 1), ProductOperands{});
   // Fused reductions: per TBB thread slot (tbb::this_task_arena::current_thread_index()).
   ws->thread_slots = std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency());
   size_t bufs = 0, windows = 0;
@@ -1300,6 +1416,10 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
     case Lowering::kMatmul: {
       const bool ta = in.GetInt("transpose_a", 0) != 0, tb = in.GetInt("transpose_b", 0) != 0;
       const int64_t mm = in.type.shape[0], nn = in.type.shape[1], k = ta ? shape(0)[0] : shape(0)[1];
+      if (folded_[v] && c && c->FoldsProducts()) return;  // its reduce-scatter computes it (PlanProductParts)
+      if (row_blocks_[v] > 0)
+        return RowBlockSgemm(ta, tb, mm, nn, k, static_cast<const float*>(P(0)), shape(0)[1], static_cast<const float*>(P(1)),
+                             shape(1)[1], row_blocks_[v], static_cast<float*>(out));
       StepSgemm(ta, tb, mm, nn, k, static_cast<const float*>(P(0)), shape(0)[1], static_cast<const float*>(P(1)),
                     shape(1)[1], static_cast<float*>(out));
       return;
@@ -1330,6 +1450,10 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       }
       if (in.op == OpCode::kAllReduce) {
         c->AllReduce(replica, group, x, o, nout, ReductionOf(in));
+      } else if (in.op == OpCode::kReduceScatter && plain_product_[v] >= 0 && c->FoldsProducts()) {
+        BindProduct(plain_product_[v], *ws, &ws->product_operands[0]);
+        const runtime::PartProducer producer{&ProduceRowBlock, &ws->product_operands[0]};
+        c->ReduceScatterProducts(replica, group, &x, &producer, &nout, 1, o, ReductionOf(in));
       } else if (in.op == OpCode::kReduceScatter) {
         c->ReduceScatter(replica, group, x, o, nout, ReductionOf(in));
       } else {

@@ -35,6 +35,7 @@ struct CompileInfo {
   int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
   int broadcast_copies = 0;    // copies of a broadcast for its second and later loop readers (never written)
   int in_place_updates = 0;    // variables' new values stored over the old by their loop (PlanInPlaceUpdates)
+  int folded_products = 0;     // products a reduce-scatter computes and folds itself (with in-process collectives)
   int gathered_updates = 0;    // variables' new values written into them by a packed all-gather (the same)
   int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
@@ -65,6 +66,17 @@ struct StepBinding {
 };
 
 // Per-replica buffers of one CompiledStep: allocated at the first Run, reused by every later step.
+// A row-blocked product's operands, for a member of its reduce-scatter to compute a row block
+// (CompiledStep::PlanProductParts).
+struct ProductOperands {
+  bool ta = false, tb = false;
+  int64_t m = 0, n = 0, k = 0;
+  const float* a = nullptr;
+  int64_t lda = 0;
+  const float* b = nullptr;
+  int64_t ldb = 0, blocks = 1;
+};
+
 struct Workspace {
   const CompiledStep* owner = nullptr;
   std::vector<char> arena;              // the buffer plan's arena (+ slack to align its base to 64 bytes)
@@ -81,6 +93,8 @@ struct Workspace {
   StepBinding binding;                  // the name-based Run's, bound again at each call
   std::vector<char> staging;            // assignments staged through a temporary (a swap, a rotation)
   std::vector<const float*> part_ins;   // a packed collective's parts (CompiledStep::PlanPackedCollectives)
+  std::vector<runtime::PartProducer> part_producers;  // and the products it folds (PlanProductParts)
+  std::vector<ProductOperands> product_operands;
   std::vector<float*> part_outs;
 };
 
@@ -146,6 +160,8 @@ class CompiledStep {
   void RunFusedReductions(int group, Workspace* ws) const;
   void PlanViews();
   void PlanPackedCollectives();
+  void PlanRowBlocks();
+  void PlanProductParts();
   void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, const StepBinding& b, int replica,
                            runtime::Collectives* c, Workspace* ws) const;
   void PlanInPlaceUpdates();
@@ -180,7 +196,12 @@ class CompiledStep {
   struct PackedParts {
     std::vector<ir::ValueId> ins, outs;  // outs: all-gather only, the slices it writes
     std::vector<int64_t> lens;
+    std::vector<ir::ValueId> products;   // reduce-scatter: per part, the product it folds from its operands, or -1
   };
+  std::vector<int> row_blocks_;                // per product: its row blocks (PlanRowBlocks), or 0
+  std::vector<char> folded_;                   // per product: computed by its reduce-scatter where collectives fold products
+  std::vector<ir::ValueId> plain_product_;     // per reduce-scatter that is not packed: the product it folds, or -1
+  void BindProduct(ir::ValueId d, const Workspace& ws, ProductOperands* po) const;
   std::vector<int> packed_of_;
   std::vector<PackedParts> packed_;
   std::vector<char> elided_;                   // per value: its work is done by a packed collective

@@ -52,10 +52,16 @@ CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const C
   if (options.share_weights && share_env && num_replicas() > 1 &&
       dynamic_cast<runtime::InProcessCollectives*>(&collectives()))
     shared_slots_ = step_->GatheredVariableSlots(num_replicas());
+  if (auto* in_process = dynamic_cast<runtime::InProcessCollectives*>(&collectives()); in_process && !options.fold_products)
+    in_process->set_fold_products(false);
   LoadLogicalState(state);
 }
 
 CpuExecutor::~CpuExecutor() = default;
+
+int CpuExecutor::folded_products() {
+  return num_replicas() > 1 && collectives().FoldsProducts() ? step_->info().folded_products : 0;
+}
 
 int64_t CpuExecutor::shared_weight_bytes() const {
   int64_t bytes = 0;

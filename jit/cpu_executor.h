@@ -19,6 +19,10 @@ struct CpuExecutorOptions {
   // bytes, and the all-gather writes each byte once instead of once per replica. Same bits either way.
   // SHARDSTEP_JIT_SHARE_WEIGHTS=0 in the environment turns it off (to compare).
   bool share_weights = true;
+  // In-process replicas compute the weight gradients their reduce-scatter folds inside it: each its
+  // row block of every replica's product (CompiledStep::PlanProductParts). Same bits either way.
+  // SHARDSTEP_JIT_FOLD_PRODUCTS=0 in the environment turns it off (runtime::InProcessCollectives).
+  bool fold_products = true;
 };
 
 class CpuExecutor : public runtime::ReplicatedExecutor {
@@ -34,6 +38,9 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   // The weights the replicas share (one copy for all; CpuExecutorOptions::share_weights): how many, and
   // their bytes (each replica but the first saves that much).
   int shared_weights() const { return static_cast<int>(shared_slots_.size()); }
+  // The weight gradients their reduce-scatter computes (CompiledStep::PlanProductParts), when this
+  // executor's collectives fold products (in-process replicas), else 0.
+  int folded_products();
   int64_t shared_weight_bytes() const;
 
  protected:

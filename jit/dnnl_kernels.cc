@@ -100,6 +100,23 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
   tbb::parallel_for(int64_t{0}, blocks, run);
 }
 
+void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, int64_t blocks, int64_t block, float* dst) {
+  thread_local const bool single = (SetOmpThreads(1), true);
+  (void)single;
+  const int64_t rows = m / blocks, first = block * rows;
+  DnnlSgemm(ta, tb, rows, n, k, a + (ta ? first : first * lda), lda, b, ldb, 0.0f, dst, n);
+}
+
+void RowBlockSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, int64_t blocks, float* c) {
+  SS_CHECK(blocks > 0 && m % blocks == 0, "RowBlockSgemm: ", m, " rows in ", blocks, " blocks");
+  const int64_t rows = m / blocks;
+  tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
+    SgemmRowBlock(ta, tb, m, n, k, a, lda, b, ldb, blocks, blk, c + blk * rows * n);
+  });
+}
+
 bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
   // Measured on 2-D products (bench/sgemm_shapes): turned is 0.3-0.8x the direct time for m in
   // [16, 48] when k is a multiple of 512 and n <= k; outside that it is slower or level.

@@ -25,6 +25,15 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
 // (bench/sgemm_shapes). The choice depends only on the shapes, so the bits do too.
 void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float* c);
+// C = op(A) op(B) in `blocks` equal row blocks (m % blocks == 0), each one single-threaded dnnl_sgemm
+// call (TBB tasks): a weight gradient summed across `blocks` replicas, whose chunks are its row blocks.
+// SgemmRowBlock computes one block into any row-major [m / blocks, n] buffer with the same call, so
+// the same bits: a member of the sum can compute its chunk of every replica's product itself.
+void RowBlockSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, int64_t blocks, float* c);
+void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, int64_t blocks, int64_t block, float* dst);
+
 // Whether StepSgemm computes this product turned around.
 bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k);
 // Row-major C[m,n] = A[m,k] B[n,k]^T computed turned around (the calling thread's scratch holds A^T

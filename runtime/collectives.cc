@@ -33,6 +33,11 @@ void Collectives::ReduceScatterParts(int replica, const ReplicaGroup& group, con
   ReduceScatter(replica, group, packed, out, total, op);
 }
 
+void Collectives::ReduceScatterProducts(int, const ReplicaGroup&, const float* const*, const PartProducer*,
+                                        const int64_t*, int, float*, Reduction) {
+  throw Error("this backend's collectives do not fold products (FoldsProducts() is false)");
+}
+
 void Collectives::AllGatherParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns,
                                  int parts, float* const* outs) {
   const int64_t rows = static_cast<int64_t>(group.size()), total = std::accumulate(ns, ns + parts, int64_t{0});

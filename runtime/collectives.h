@@ -25,6 +25,15 @@ inline float FoldMax(float acc, float x) { return (x > acc || x != x) ? x : acc;
 // The replica ids of one group, in group order (a replica's position in it is its group rank).
 using ReplicaGroup = std::vector<int64_t>;
 
+// A part of a reduce-scatter computed where it is folded: produce(context, chunk, dst) writes chunk
+// `chunk` of the owner's part into dst. Any member of the collective calls it, on the owner's
+// operands (a weight gradient's product: each member computes its chunk of every member's product,
+// so the products are never written out whole and read back).
+struct PartProducer {
+  void (*produce)(const void* context, int64_t chunk, float* dst) = nullptr;
+  const void* context = nullptr;
+};
+
 class Collectives {
  public:
   virtual ~Collectives() = default;
@@ -54,6 +63,15 @@ class Collectives {
                                   int parts, float* out, Reduction op);
   virtual void AllGatherParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns,
                               int parts, float* const* outs);
+  // Whether ReduceScatterProducts is supported: members that read each other's memory (in-process).
+  virtual bool FoldsProducts() const { return false; }
+  // ReduceScatterParts where part i with producers[i].produce set is never materialised: the member at
+  // position p folds, in group order, what each member q's producer writes for chunk p (row p of
+  // [|group|, ns[i]]) instead of reading row p of ins[i]. The same bits as ReduceScatterParts on the
+  // materialised parts when a producer writes the bits the part would hold. The default throws.
+  virtual void ReduceScatterProducts(int replica, const ReplicaGroup& group, const float* const* ins,
+                                     const PartProducer* producers, const int64_t* ns, int parts, float* out,
+                                     Reduction op);
   // data[n] from the member at group position `root` to all members.
   virtual void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) = 0;
   virtual void Barrier(int replica, const ReplicaGroup& group) = 0;

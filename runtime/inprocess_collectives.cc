@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdlib>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "ir/error.h"
@@ -87,16 +89,26 @@ struct InProcessCollectives::Slot {
   const int64_t* ns = nullptr;
   int nparts = 0;
   float* const* outs = nullptr;  // AllGatherParts: the member's outputs
+  const PartProducer* producers = nullptr;  // ReduceScatterProducts: per part, set where it is produced
   float* out = nullptr;          // AllGather: the member's output
 
   bool Reduces() const { return kind == Kind::kAllReduce || kind == Kind::kReduceScatter || kind == Kind::kReduceScatterParts; }
   bool Matches(const Slot& o) const {
     return kind == o.kind && n == o.n && (!Reduces() || op == o.op) && (kind != Kind::kBroadcast || root == o.root) &&
-           nparts == o.nparts && std::equal(ns, ns + nparts, o.ns);
+           nparts == o.nparts && std::equal(ns, ns + nparts, o.ns) && SameProduced(o);
   }
+  // Every member produces the same parts (or none).
+  bool SameProduced(const Slot& o) const {
+    for (int i = 0; i < nparts; ++i)
+      if (Produced(i) != o.Produced(i)) return false;
+    return true;
+  }
+  bool Produced(int i) const { return producers && producers[i].produce; }
   std::string ToString() const {
     std::string s = Str(KindName(kind), "(n=", n);
     if (nparts > 0) s += Str(" in ", nparts, " parts");
+    for (int i = 0; i < nparts; ++i)
+      if (Produced(i)) s += Str(i == 0 || !Produced(i - 1) ? ", produced: " : " ", i);
     if (Reduces()) s += Str(", ", ReductionName(op));
     if (kind == Kind::kBroadcast) s += Str(", root=", root);
     return s + ")";
@@ -188,7 +200,11 @@ struct InProcessCollectives::Group {
   std::atomic<int64_t> busy_ns{0};
 };
 
-InProcessCollectives::InProcessCollectives(int num_replicas) : num_replicas_(num_replicas) {
+InProcessCollectives::InProcessCollectives(int num_replicas)
+    : num_replicas_(num_replicas), fold_products_([] {
+        const char* e = std::getenv("SHARDSTEP_JIT_FOLD_PRODUCTS");
+        return !(e && std::string(e) == "0");
+      }()) {
   if (num_replicas <= 0) throw Error(Str("InProcessCollectives needs at least one replica, got ", num_replicas));
 }
 
@@ -349,18 +365,54 @@ void InProcessCollectives::AllGather(int replica, const ReplicaGroup& group, con
 
 void InProcessCollectives::ReduceScatterParts(int replica, const ReplicaGroup& group, const float* const* ins,
                                               const int64_t* ns, int parts, float* out, Reduction op) {
+  ReduceScatterProducts(replica, group, ins, nullptr, ns, parts, out, op);
+}
+
+namespace {
+// The calling (member) thread's buffer for one produced chunk: grown only.
+float* ProducedChunk(int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
+}
+}  // namespace
+
+void InProcessCollectives::ReduceScatterProducts(int replica, const ReplicaGroup& group, const float* const* ins,
+                                                 const PartProducer* producers, const int64_t* ns, int parts,
+                                                 float* out, Reduction op) {
   int64_t total = 0;
   for (int i = 0; i < parts; ++i) total += ns[i];
   int p;
   Group& g = Enter(replica, group, total, &p);
-  for (int i = 0; i < parts; ++i) CheckDisjoint("ReduceScatterParts", ins[i], ns[i] * g.size(), out, total);
+  for (int i = 0; i < parts; ++i)
+    if (!(producers && producers[i].produce)) CheckDisjoint("ReduceScatterParts", ins[i], ns[i] * g.size(), out, total);
   Slot slot{Kind::kReduceScatterParts, total, op, 0, nullptr};
   slot.parts = ins;
   slot.ns = ns;
   slot.nparts = parts;
+  slot.producers = producers;
   Sync(g, p, &slot);
-  for (int64_t i = 0, col = 0; i < parts; col += ns[i++])
-    g.FoldFrom([&](int q) { return g.slots[q].parts[i] + p * ns[i]; }, ns[i], op, out + col);
+  for (int64_t i = 0, col = 0; i < parts; col += ns[i++]) {
+    if (!g.slots[0].Produced(static_cast<int>(i))) {
+      g.FoldFrom([&](int q) { return g.slots[q].parts[i] + p * ns[i]; }, ns[i], op, out + col);
+      continue;
+    }
+    // FoldFrom's per-element order: the first member's chunk, then each later one folded in, then
+    // the mean's division; the chunk computed by its owner's producer, member by member.
+    float* o = out + col;
+    float* chunk = ProducedChunk(ns[i]);
+    for (int q = 0; q < g.size(); ++q) {
+      const PartProducer& pr = g.slots[q].producers[i];
+      pr.produce(pr.context, p, q == 0 ? o : chunk);
+      if (q == 0) continue;
+      if (op == Reduction::kMax) FoldMaxInto(o, chunk, ns[i]);
+      else AddInto(o, chunk, ns[i]);
+    }
+    if (op == Reduction::kMean) {
+      const float d = static_cast<float>(g.size());
+      for (int64_t j = 0; j < ns[i]; ++j) o[j] /= d;
+    }
+  }
   Sync(g, p, nullptr);
   Leave(g);
 }

@@ -60,6 +60,13 @@ class InProcessCollectives final : public Collectives {
                           float* out, Reduction op) override;
   void AllGatherParts(int replica, const ReplicaGroup& group, const float* const* ins, const int64_t* ns, int parts,
                       float* const* outs) override;
+  // Member p calls every member's producers for chunk p (each member's operands are in this process).
+  // On unless SHARDSTEP_JIT_FOLD_PRODUCTS=0 or set_fold_products(false).
+  bool FoldsProducts() const override { return fold_products_.load(); }
+  void set_fold_products(bool on) { fold_products_ = on; }
+  void ReduceScatterProducts(int replica, const ReplicaGroup& group, const float* const* ins,
+                             const PartProducer* producers, const int64_t* ns, int parts, float* out,
+                             Reduction op) override;
   void Broadcast(int replica, const ReplicaGroup& group, float* data, int64_t n, int root) override;
   void Barrier(int replica, const ReplicaGroup& group) override;
   // Any pair of replicas (runtime/mailboxes.h).
@@ -92,6 +99,7 @@ class InProcessCollectives final : public Collectives {
   mutable std::mutex groups_mu_;
   std::atomic<int64_t> calls_{0};
   std::atomic<bool> phase_timing_{false};
+  std::atomic<bool> fold_products_;
   std::map<ReplicaGroup, std::unique_ptr<Group>> groups_;
   std::mutex abort_mu_;
   std::atomic<bool> aborted_{false};

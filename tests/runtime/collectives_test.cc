@@ -599,5 +599,69 @@ TEST_CASE("InProcessCollectives counts communication time, and with phase timing
   }
 }
 
+
+namespace {
+// A produced part for ReduceScatterProducts: writes row `chunk` of its owner's [n, len] buffer, and
+// counts the calls.
+struct RowProducer {
+  const float* rows;
+  int64_t len;
+  std::atomic<int>* calls;
+  static void Produce(const void* self, int64_t chunk, float* dst) {
+    const auto& p = *static_cast<const RowProducer*>(self);
+    std::copy_n(p.rows + chunk * p.len, p.len, dst);
+    ++*p.calls;
+  }
+};
+}  // namespace
+
+TEST_CASE("InProcessCollectives: produced parts fold with the bits of the materialised parts", "[collectives]") {
+  const int n = 5;
+  const std::vector<int64_t> ns = {7, 3001, 1};  // part 1 produced (longer than FoldFrom's window), 0 and 2 in memory
+  Buffers in(n);
+  for (int r = 0; r < n; ++r) in[r] = RandomData(90 + r, n * (7 + 3001 + 1));
+  // Member r's part i starts at in[r] + offset[i] * n ([n, ns[i]] row-major, as ReduceScatterParts reads).
+  const int64_t offset[] = {0, 7, 7 + 3001};
+  for (Reduction op : {Reduction::kSum, Reduction::kMean, Reduction::kMax}) {
+    INFO("reduction " << static_cast<int>(op));
+    Buffers materialised(n, std::vector<float>(3009)), produced(n, std::vector<float>(3009, -7.0f));
+    InProcessCollectives c(n);
+    std::atomic<int> calls{0};
+    RunReplicas(n, &c, [&](int r) {
+      const float* ins[] = {in[r].data(), in[r].data() + offset[1] * n, in[r].data() + offset[2] * n};
+      c.ReduceScatterParts(r, Iota(0, n), ins, ns.data(), 3, materialised[r].data(), op);
+      const RowProducer rows{ins[1], ns[1], &calls};
+      const PartProducer producers[] = {{}, {&RowProducer::Produce, &rows}, {}};
+      const float* no_part1[] = {ins[0], nullptr, ins[2]};  // a produced part is never read
+      c.ReduceScatterProducts(r, Iota(0, n), no_part1, producers, ns.data(), 3, produced[r].data(), op);
+    });
+    CHECK(calls.load() == n * n);  // each member produces its chunk of every member's part
+    for (int r = 0; r < n; ++r) CHECK(BitDiff(produced[r], materialised[r]) == "");
+  }
+  SECTION("members that disagree on which parts are produced get an error naming them") {
+    InProcessCollectives c(2);
+    std::atomic<int> calls{0};
+    CHECK_THROWS_WITH(RunReplicas(2, &c,
+                                  [&](int r) {
+                                    const float x[2] = {1.0f, 2.0f};
+                                    const float* ins[] = {x};
+                                    const int64_t len[] = {1};
+                                    const RowProducer rows{x, 1, &calls};
+                                    const PartProducer producers[] = {{&RowProducer::Produce, &rows}};
+                                    float out = 0;
+                                    c.ReduceScatterProducts(r, Iota(0, 2), ins, r == 0 ? producers : nullptr, len, 1,
+                                                            &out, Reduction::kSum);
+                                  }),
+                      Catch::Contains("collective mismatch in replica group {0,1}") && Catch::Contains("produced: 0"));
+  }
+  SECTION("folding products can be switched off (the step then materialises them)") {
+    InProcessCollectives c(1);
+    c.set_fold_products(false);
+    CHECK_FALSE(c.FoldsProducts());
+    c.set_fold_products(true);
+    CHECK(c.FoldsProducts());
+  }
+}
+
 }  // namespace
 }  // namespace shardstep::runtime
