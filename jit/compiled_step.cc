@@ -44,7 +44,8 @@
 // native lowering; no op of the table uses it on f32/s32 (tests/jit/jit_conformance_test.cc checks).
 // bf16: elementwise ops and broadcasts are fused loops (jit/kernel_emitter.cc: widen, compute in
 // f32, round to nearest even); collectives and matmuls widen to f32, reduce (sgemm: f32 accumulation)
-// and round once; the other ops on bf16 run the interpreter's kernel (kReference: the same
+// and round once; a transpose whose result is only rounded rounds as it copies (RoundInTransposes,
+// f32 in, bf16 out); the other ops on bf16 run the interpreter's kernel (kReference: the same
 // widen-compute-round rule) until they get native bf16 lowerings. The mixed-precision pass
 // (ir/passes/mixed_precision.h) leaves matmuls and convolutions on f32 operands, so it never needs those.
 #include "jit/compiled_step.h"
@@ -221,6 +222,7 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
   bool bf16 = in.type.dtype == DType::kBF16;
   for (ValueId o : in.operands) bf16 |= m.type(o).dtype == DType::kBF16;
   if (bf16 && in.op == OpCode::kMatmul) return Lowering::kNative;  // widened, f32 sgemm, rounded (RunInstr)
+  if (in.op == OpCode::kTranspose && in.Has(kRoundsAttr)) return Lowering::kNative;  // RoundInTransposes
   if (bf16 && in.op != OpCode::kReshape && !ir::HasProperty(in.op, ir::kCollective)) return Lowering::kReference;
   switch (in.op) {
     case OpCode::kReshape: return Lowering::kAlias;
@@ -1258,6 +1260,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   const auto t0 = std::chrono::steady_clock::now();
   ir::Module m = module;
   RoundBeforeReshapes(m);
+  RoundInTransposes(m);
   ReadBf16OperandsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
   if (options.channels_last) ConvolutionsChannelsLast(m);
@@ -1488,7 +1491,10 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       const ir::IntList& perm = in.GetInts("perm");
       Strides is = RowMajor(shape(0)), ss(perm.size());
       for (size_t i = 0; i < perm.size(); ++i) ss[i] = is[perm[i]];
-      StridedGather(in.type.shape, U(0), ss, uo);
+      if (in.Has(kRoundsAttr))
+        StridedGatherToBf16(in.type.shape, static_cast<const float*>(P(0)), ss, static_cast<uint16_t*>(out));
+      else
+        StridedGather(in.type.shape, U(0), ss, uo);
       return;
     }
     case OpCode::kSlice: {

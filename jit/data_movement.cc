@@ -1,6 +1,8 @@
 // Native data movement and reductions of the CPU backend (see data_movement.h).
 #include "jit/data_movement.h"
 
+#include "runtime/tensor.h"
+
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
@@ -110,6 +112,47 @@ void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, u
       if (si == 1) std::memcpy(d, s, n * 4);
       else if (si == 0) std::fill(d, d + n, s[0]);
       else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+      NextRow(shape, ss, idx, off);
+    }
+  });
+}
+
+namespace {
+// runtime::F32ToBf16 without its branch (NaN quieted by a select), so the contiguous case vectorises.
+template <typename = void>
+[[gnu::always_inline]] inline void RoundRowBody(const float* s, int64_t n, uint16_t* d) {
+  for (int64_t k = 0; k < n; ++k) {
+    uint32_t u;
+    std::memcpy(&u, s + k, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x0040u;
+    d[k] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+  }
+}
+__attribute__((target("avx512f,avx512bw"))) void RoundRowAvx512(const float* s, int64_t n, uint16_t* d) {
+  RoundRowBody(s, n, d);
+}
+void RoundRowBase(const float* s, int64_t n, uint16_t* d) { RoundRowBody(s, n, d); }
+void RoundRow(const float* s, int64_t n, uint16_t* d) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  avx512 ? RoundRowAvx512(s, n, d) : RoundRowBase(s, n, d);
+}
+}  // namespace
+
+void StridedGatherToBf16(const Shape& shape, const float* src, const Strides& ss, uint16_t* dst) {
+  const int64_t total = ir::NumElements(shape);
+  if (total == 0) return;
+  if (shape.empty()) {
+    dst[0] = runtime::F32ToBf16(src[0]);
+    return;
+  }
+  const int64_t n = shape.back(), si = ss.back();
+  ForRowBlocks(shape, ss, [&](int64_t r0, int64_t r1, int64_t off) {
+    Strides idx = RowIndex(shape, r0);
+    for (int64_t row = r0; row < r1; ++row) {
+      const float* s = src + off;
+      uint16_t* d = dst + row * n;
+      if (si == 1) RoundRow(s, n, d);
+      else for (int64_t k = 0; k < n; ++k) d[k] = runtime::F32ToBf16(s[k * si]);
       NextRow(shape, ss, idx, off);
     }
   });

@@ -70,6 +70,38 @@ void RoundBeforeReshapes(ir::Module& m) {
   if (changed) m.Canonicalize();
 }
 
+void RoundInTransposes(ir::Module& m) {
+  const auto users = m.Users();
+  auto only_reader = [&](ValueId x) { return users[x].size() == 1; };
+  bool changed = false;
+  const int n = m.size();
+  for (ValueId c = 0; c < n; ++c) {
+    if (m.at(c).op != OpCode::kConvert || m.at(c).type.dtype != DType::kBF16) continue;
+    std::vector<ValueId> reshapes;  // from the convert's operand down to the transpose
+    ValueId x = m.at(c).operands[0];
+    while (m.at(x).op == OpCode::kReshape && only_reader(x)) {
+      reshapes.push_back(x);
+      x = m.at(x).operands[0];
+    }
+    if (m.at(x).op != OpCode::kTranspose || m.at(x).type.dtype != DType::kF32 || !only_reader(x)) continue;
+    ir::Instr t = m.at(x);  // copies: Append may move the instructions
+    t.type.dtype = DType::kBF16;
+    t.attrs.erase(ir::kFusionAttr);
+    t.attrs[kRoundsAttr] = int64_t{1};
+    ValueId v = m.Append(t);
+    for (auto it = reshapes.rbegin(); it != reshapes.rend(); ++it) {
+      ir::Instr r = m.at(*it);
+      r.operands = {v};
+      r.type.dtype = DType::kBF16;
+      r.attrs.erase(ir::kFusionAttr);
+      v = m.Append(r);
+    }
+    m.ReplaceAllUses(c, v);
+    changed = true;
+  }
+  if (changed) m.Canonicalize();
+}
+
 // relu's gradient after max pooling's, select(x > 0, max_pool_grad(x, dy), 0) with x the pooled relu
 // output, is one pass of the pooling gradient with the mask (cpu_kernels.h MaxPoolGrad): the gradient is
 // not written and read back. The JIT's own form, marked kReluMaskAttr; the same bits.

@@ -1,5 +1,5 @@
 // The JIT's own rewrites of a step module before it is planned (CompiledStep::Compile), in this order:
-// RoundBeforeReshapes, ReadBf16OperandsInPlace, MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
+// RoundBeforeReshapes, RoundInTransposes, ReadBf16OperandsInPlace, MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
 // jit/channels_last.h), RecomputeCheapValues, CopyBroadcastsPerReader. Each keeps every value's bits;
 // they change where values are computed and what reaches memory. Some leave forms only the JIT reads
 // (attributes below); `SHARDSTEP_JIT_DUMP=FILE` shows the module after them.
@@ -11,6 +11,8 @@ namespace shardstep::jit {
 
 // A matmul whose operands are the bf16 values themselves, read in place (ReadBf16OperandsInPlace).
 inline constexpr const char* kBf16OperandsAttr = "jit_bf16_operands";
+// A transpose from f32 to bf16 that rounds as it copies (RoundInTransposes).
+inline constexpr const char* kRoundsAttr = "jit_rounds";
 // A max-pooling gradient with relu's mask applied in the same pass (MaskMaxPoolGradsByRelu).
 inline constexpr const char* kReluMaskAttr = "jit_relu_mask";
 
@@ -19,6 +21,11 @@ inline constexpr const char* kReluMaskAttr = "jit_relu_mask";
 bool Bf16Operands(const ir::Module& m, const ir::Instr& in);
 
 void RoundBeforeReshapes(ir::Module& m);
+// convert(reshape*(transpose(x)), bf16), each reshape and the transpose read by nothing else, becomes
+// reshape*(t) with t the transpose of x to bf16, rounding each element as it is copied (kRoundsAttr):
+// one pass writing 2 bytes an element instead of a transpose and a rounding loop (transformer_lm's
+// attention heads: 32 of each over [32,4,128,32] per step). The same bits.
+void RoundInTransposes(ir::Module& m);
 void ReadBf16OperandsInPlace(ir::Module& m);
 void MaskMaxPoolGradsByRelu(ir::Module& m);
 // Return the number of copies made.

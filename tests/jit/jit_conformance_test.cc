@@ -38,6 +38,7 @@
 #include "jit/cpu_executor.h"
 #include "jit/data_movement.h"
 #include "jit/dnnl_kernels.h"
+#include "jit/step_rewrites.h"
 #include "runtime/inprocess_collectives.h"
 #include "runtime/interpreter.h"
 #include "runtime/replica_runner.h"
@@ -1881,6 +1882,45 @@ TEST_CASE("bf16: the JIT's fused loops round like the interpreter (ties, overflo
   }
   const std::vector<uint16_t> want = {0x3f80, 0x3f82, 0x3f81, 0x7f80, 0xff80, 0x7fc0, 0x7fc0, 0x0000, 0x0002, 0x8000};
   CHECK(ref.at("y").bf16 == want);
+}
+
+// A rounding that reads a transpose (through reshapes) is done by the transpose as it copies
+// (RoundInTransposes: transformer_lm's attention heads), one pass to bf16 instead of two. The
+// interpreter's bits, ties, overflow and NaN included, in both of the copy's forms (contiguous rows
+// of an odd length, and strided), over several row blocks.
+TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bits", "[jit][bf16]") {
+  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x7f7fffffu, 0xff7f8000u,
+                              0x7fc00001u, 0x7f800001u, 0x00018000u, 0x80000000u, 0xff800000u};
+  ir::Module m;
+  m.name = "rounding transposes";
+  ir::Builder b(&m);
+  const ir::Shape shape = {3, 37, 5, 67};
+  const ir::ValueId x = b.Input("x", {DType::kF32, shape});
+  const ir::ValueId rows = b.Transpose(x, {0, 2, 1, 3});  // contiguous rows of 67
+  m.outputs.push_back({"rows", b.Convert(b.Reshape(b.Reshape(rows, {15, 37, 67}), {15, 2479}), DType::kBF16)});
+  const ir::ValueId cols = b.Transpose(b.Reshape(x, {111, 335}), {1, 0});  // strided
+  m.outputs.push_back({"cols", b.Convert(cols, DType::kBF16)});
+  Tensor xs = Random({DType::kF32, shape}, 11, Dist::kWide);
+  for (size_t i = 0; i < std::size(special); ++i)
+    for (int64_t at : {int64_t{0}, int64_t{67 * 5 * 37 + 3}, xs.elements() - 1 - static_cast<int64_t>(i) * 997})
+      std::memcpy(&xs.f32[at + (at == 0 ? static_cast<int64_t>(i) * 7 : 0)], &special[i], 4);
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  INFO(ir::Print(step->module()));
+  int rounding = 0;
+  for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+    const ir::Instr& in = step->module().at(v);
+    CHECK(in.op != OpCode::kConvert);  // no rounding loop left
+    rounding += in.op == OpCode::kTranspose && in.Has(jit::kRoundsAttr) && in.type.dtype == DType::kBF16;
+  }
+  CHECK(rounding == 2);
+  TensorMap vars, inputs{{"x", xs}};
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
+  for (const char* k : {"rows", "cols"}) {
+    INFO(k);
+    REQUIRE(got.at(k).dtype() == DType::kBF16);
+    CHECK(got.at(k).shape() == ref.at(k).shape());
+    CHECK(got.at(k).bf16 == ref.at(k).bf16);
+  }
 }
 
 TEST_CASE("bf16 mutation check: one bf16 ulp off in an exact fused case fails and is named", "[jit][bf16][mutation]") {
