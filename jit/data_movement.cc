@@ -95,29 +95,23 @@ void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
       for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
 }
 
-// dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
-void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
-  const int64_t total = ir::NumElements(shape);
-  if (total == 0) return;
-  if (shape.empty()) {
-    dst[0] = src[0];
-    return;
-  }
+namespace {
+// dst (row-major over `shape`) = src read through `ss`, one row of the last dimension at a time:
+// copy_row(s, si, n, d) writes the n elements s[0], s[si], ... to d (a scalar is one row of one).
+template <typename S, typename D, typename CopyRow>
+void GatherRows(const Shape& shape, const S* src, const Strides& ss, D* dst, CopyRow copy_row) {
+  if (ir::NumElements(shape) == 0) return;
+  if (shape.empty()) return copy_row(src, int64_t{1}, int64_t{1}, dst);
   const int64_t n = shape.back(), si = ss.back();
   ForRowBlocks(shape, ss, [&](int64_t r0, int64_t r1, int64_t off) {
     Strides idx = RowIndex(shape, r0);
     for (int64_t row = r0; row < r1; ++row) {
-      const uint32_t* s = src + off;
-      uint32_t* d = dst + row * n;
-      if (si == 1) std::memcpy(d, s, n * 4);
-      else if (si == 0) std::fill(d, d + n, s[0]);
-      else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+      copy_row(src + off, si, n, dst + row * n);
       NextRow(shape, ss, idx, off);
     }
   });
 }
 
-namespace {
 // runtime::F32ToBf16 without its branch (NaN quieted by a select), so the contiguous case vectorises.
 template <typename = void>
 [[gnu::always_inline]] inline void RoundRowBody(const float* s, int64_t n, uint16_t* d) {
@@ -138,23 +132,19 @@ void RoundRow(const float* s, int64_t n, uint16_t* d) {
 }
 }  // namespace
 
+// Elements are 4 bytes (f32 or s32).
+void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
+  GatherRows(shape, src, ss, dst, [](const uint32_t* s, int64_t si, int64_t n, uint32_t* d) {
+    if (si == 1) std::memcpy(d, s, n * 4);
+    else if (si == 0) std::fill(d, d + n, s[0]);
+    else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+  });
+}
+
 void StridedGatherToBf16(const Shape& shape, const float* src, const Strides& ss, uint16_t* dst) {
-  const int64_t total = ir::NumElements(shape);
-  if (total == 0) return;
-  if (shape.empty()) {
-    dst[0] = runtime::F32ToBf16(src[0]);
-    return;
-  }
-  const int64_t n = shape.back(), si = ss.back();
-  ForRowBlocks(shape, ss, [&](int64_t r0, int64_t r1, int64_t off) {
-    Strides idx = RowIndex(shape, r0);
-    for (int64_t row = r0; row < r1; ++row) {
-      const float* s = src + off;
-      uint16_t* d = dst + row * n;
-      if (si == 1) RoundRow(s, n, d);
-      else for (int64_t k = 0; k < n; ++k) d[k] = runtime::F32ToBf16(s[k * si]);
-      NextRow(shape, ss, idx, off);
-    }
+  GatherRows(shape, src, ss, dst, [](const float* s, int64_t si, int64_t n, uint16_t* d) {
+    if (si == 1) RoundRow(s, n, d);
+    else for (int64_t k = 0; k < n; ++k) d[k] = runtime::F32ToBf16(s[k * si]);
   });
 }
 
