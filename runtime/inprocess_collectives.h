@@ -1,7 +1,8 @@
 // InProcessCollectives: the Collectives of N replicas that are threads of one process (shared memory).
 //
-// Every collective is a rendezvous of the group's members on a mutex + condition variable (blocking,
-// never spinning, so 64 replica threads on 2 cores are fine):
+// Every collective is a rendezvous of the group's members: arrivals counted under a mutex, waiters
+// asleep on a futex (std::atomic::wait: a short spin with yields, then blocking, so 64 replica threads
+// on 2 cores are fine):
 //   1. publish: each member posts its buffer pointers; the last arrival checks that all members called
 //      the same collective with the same size, and sizes the group's scratch buffer;
 //   2. work: every member reads the other members' buffers directly. ReduceScatter: member p folds

@@ -1,6 +1,6 @@
 // Running one body per replica, each on its own thread, and turning the first failure into an error.
 //
-// Replica threads block (inside collectives they wait on condition variables), so n may far exceed the
+// Replica threads block (inside collectives they sleep on futexes), so n may far exceed the
 // core count, e.g. 64 replicas on 2 cores. Work inside a replica may use oneTBB (parallel_for etc.): all
 // replica threads share TBB's default arena. Call collectives only from the replica's own thread, never
 // from inside a TBB task: a worker blocked in a collective would starve the arena.
