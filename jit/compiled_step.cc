@@ -1198,6 +1198,14 @@ bool JitDumpWanted() {
   const char* path = std::getenv("SHARDSTEP_JIT_DUMP");
   return path && *path;
 }
+// SHARDSTEP_JIT_RELU_MASKS=0: relu's gradient masks read relu's output (to compare; ReluMasksFromInputs).
+bool ReluMasksFromInputsWanted() {
+  static const bool on = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_RELU_MASKS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 bool PerfMapWanted() {
   static const bool on = [] {
     const char* e = std::getenv("SHARDSTEP_JIT_PERF_MAP");
@@ -1264,6 +1272,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   ReadBf16OperandsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
   if (options.channels_last) ConvolutionsChannelsLast(m);
+  if (ReluMasksFromInputsWanted()) ReluMasksFromInputs(m);
   const int recomputed = RecomputeCheapValues(m);
   const int broadcast_copies = CopyBroadcastsPerReader(m);
   ir::ElementwiseFuser().Run(m);

@@ -209,6 +209,27 @@ class Recomputation {
 };
 }  // namespace
 
+// relu's gradient mask gt(relu(z), 0) is gt(z, 0): z > 0 exactly when relu(z) > 0 (NaN: both false).
+// Where z can be computed again from one value in memory (the rule above: batch norm's
+// (x - mean) * scale + shift from its convolution's output x), the mask reads z, which the next
+// rewrite then computes again in the mask's loop, from x: resnet20's batch-norm gradient loops read x
+// anyway, so they no longer read relu's output as well (one [128,28,28,16] tensor fewer per
+// first-stage layer). Runs just before RecomputeCheapValues; the same bits.
+int ReluMasksFromInputs(ir::Module& m) {
+  Recomputation r(m);
+  int masks = 0;
+  for (ValueId g = 0; g < m.size(); ++g) {
+    const ir::Instr& mask = m.at(g);
+    if (mask.op != OpCode::kGt || !IsZeroSplat(m, mask.operands[1])) continue;
+    const ir::Instr& relu = m.at(mask.operands[0]);
+    if (relu.op != OpCode::kRelu || r.Cost(relu.operands[0]) < 0) continue;
+    m.at(g).operands[0] = relu.operands[0];
+    ++masks;
+  }
+  if (masks > 0) m.Canonicalize();
+  return masks;
+}
+
 // Returns the number of values copied for a reader.
 int RecomputeCheapValues(ir::Module& m) {
   Recomputation r(m);

@@ -1,6 +1,6 @@
 // The JIT's own rewrites of a step module before it is planned (CompiledStep::Compile), in this order:
 // RoundBeforeReshapes, RoundInTransposes, ReadBf16OperandsInPlace, MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
-// jit/channels_last.h), RecomputeCheapValues, CopyBroadcastsPerReader. Each keeps every value's bits;
+// jit/channels_last.h), ReluMasksFromInputs, RecomputeCheapValues, CopyBroadcastsPerReader. Each keeps every value's bits;
 // they change where values are computed and what reaches memory. Some leave forms only the JIT reads
 // (attributes below); `SHARDSTEP_JIT_DUMP=FILE` shows the module after them.
 #pragma once
@@ -28,6 +28,8 @@ void RoundBeforeReshapes(ir::Module& m);
 void RoundInTransposes(ir::Module& m);
 void ReadBf16OperandsInPlace(ir::Module& m);
 void MaskMaxPoolGradsByRelu(ir::Module& m);
+// Returns the number of masks rewritten.
+int ReluMasksFromInputs(ir::Module& m);
 // Return the number of copies made.
 int RecomputeCheapValues(ir::Module& m);
 int CopyBroadcastsPerReader(ir::Module& m);

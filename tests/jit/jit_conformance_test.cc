@@ -1569,6 +1569,42 @@ TEST_CASE("relu's mask after a max pooling gradient runs in the pooling gradient
   }
 }
 
+// relu's gradient mask gt(relu(z), 0), read after a matmul, with z batch norm's (x - mean) * scale: the
+// mask reads z, which its loop computes again from x (ReluMasksFromInputs, then RecomputeCheapValues),
+// not relu's output; with z from two values in memory (a residual's add) it still reads relu's output.
+// x on a grid (ties with the mean: zeros, where the mask decides). Bitwise the interpreter's.
+TEST_CASE("relu's gradient mask is taken from relu's input where its loop can compute it again", "[jit]") {
+  for (bool residual : {false, true}) {
+    const std::string what = residual ? "z from two values in memory" : "z from one value in memory";
+    CaseBuilder cb("relu mask, " + what);
+    ir::Builder& b = cb.b;
+    const ir::Shape s{64, 32};
+    const auto x = cb.InSigned(F(s), Dist::kGrid);
+    const auto mean = b.ReduceMean(x, {0});
+    const auto scale = cb.In(F({32}));
+    auto z = b.Mul(b.Sub(x, b.Broadcast(mean, s, {1})), b.Broadcast(scale, s, {1}));
+    if (residual) z = b.Add(z, cb.InSigned(F(s), Dist::kGrid));
+    const auto y = b.Unary(OpCode::kRelu, z);
+    Tensor permutation(F({32, 32}));  // y's columns permuted: exact in sgemm and in the interpreter alike
+    for (int64_t i = 0; i < 32; ++i) permutation.f32[i * 32 + (i * 7 + 3) % 32] = 1.0f;
+    const auto t = b.Matmul(y, cb.InTensor(permutation));  // reads y from memory; the mask's loop comes after it
+    const auto g = b.Select(b.Emit(OpCode::kGt, {y, b.ScalarLike(0.0, y)}), t, b.ScalarLike(0.0, t));
+    Case c = cb.Out(b.Mul(g, b.Sub(x, b.Broadcast(mean, s, {1}))));
+    auto step = jit::CompiledStep::Compile(c.m, jit::JitOptions{"", false});
+    INFO(what << "\n" << ir::Print(step->module()));
+    int masks = 0, from_relu = 0;
+    for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+      const ir::Instr& in = step->module().at(v);
+      if (in.op != OpCode::kGt) continue;
+      ++masks;
+      from_relu += step->module().at(in.operands[0]).op == OpCode::kRelu;
+    }
+    CHECK(masks == 1);
+    CHECK(from_relu == (residual ? 1 : 0));
+    CheckBitwise(c, what);
+  }
+}
+
 // A max over the last axis (softmax's) runs rows in parallel and finds each row's maximum in SSE lanes
 // (jit/data_movement.cc RowMax); where the order of the interpreter's fold shows in the bits (the first
 // NaN's payload, the last of +0 and -0) it folds. Rows of 8, 13 and 128 elements, with such specials
