@@ -691,6 +691,10 @@ void ProduceRowBlock(const void* context, int64_t chunk, float* dst) {
   const ProductOperands& p = *static_cast<const ProductOperands*>(context);
   SgemmRowBlock(p.ta, p.tb, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.blocks, chunk, dst);
 }
+void AddRowBlock(const void* context, int64_t chunk, float* dst) {
+  const ProductOperands& p = *static_cast<const ProductOperands*>(context);
+  SgemmRowBlockAdd(p.ta, p.tb, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.blocks, chunk, dst);
+}
 }  // namespace
 
 // A weight gradient's product, C = A^T B, in a step of N > 1 replicas: N row blocks (RowBlockSgemm)
@@ -874,7 +878,9 @@ void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& g
           continue;
         }
         BindProduct(d, *ws, &ws->product_operands[i]);
-        producers[i] = {&ProduceRowBlock, &ws->product_operands[i]};
+        const ProductOperands& po = ws->product_operands[i];
+        producers[i] = {&ProduceRowBlock, &po,
+                        SgemmAddsExactly(po.m / po.blocks, po.n, po.k) ? &AddRowBlock : nullptr};
       }
       return c->ReduceScatterProducts(replica, group, ins, producers, pk.lens.data(), parts, out, ReductionOf(in));
     }

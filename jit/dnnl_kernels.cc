@@ -100,13 +100,29 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
   tbb::parallel_for(int64_t{0}, blocks, run);
 }
 
-void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-                   int64_t ldb, int64_t blocks, int64_t block, float* dst) {
+namespace {
+void SgemmRowBlockBeta(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                       int64_t ldb, int64_t blocks, int64_t block, float beta, float* dst) {
   thread_local const bool single = (SetOmpThreads(1), true);
   (void)single;
   const int64_t rows = m / blocks, first = block * rows;
-  DnnlSgemm(ta, tb, rows, n, k, a + (ta ? first : first * lda), lda, b, ldb, 0.0f, dst, n);
+  DnnlSgemm(ta, tb, rows, n, k, a + (ta ? first : first * lda), lda, b, ldb, beta, dst, n);
 }
+}  // namespace
+
+void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                   int64_t ldb, int64_t blocks, int64_t block, float* dst) {
+  SgemmRowBlockBeta(ta, tb, m, n, k, a, lda, b, ldb, blocks, block, 0.0f, dst);
+}
+
+void SgemmRowBlockAdd(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                      int64_t ldb, int64_t blocks, int64_t block, float* dst) {
+  SS_CHECK(SgemmAddsExactly(m / blocks, n, k), "SgemmRowBlockAdd: a ", m / blocks, "x", n, "x", k,
+           " product is not added exactly");
+  SgemmRowBlockBeta(ta, tb, m, n, k, a, lda, b, ldb, blocks, block, 1.0f, dst);
+}
+
+bool SgemmAddsExactly(int64_t m, int64_t n, int64_t k) { return k >= 1 && k <= 256 && m >= 8 && n >= 8; }
 
 void RowBlockSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                    int64_t ldb, int64_t blocks, float* c) {

@@ -33,6 +33,17 @@ void RowBlockSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
                    int64_t ldb, int64_t blocks, float* c);
 void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                    int64_t ldb, int64_t blocks, int64_t block, float* dst);
+// dst += the block SgemmRowBlock computes, with the bits of computing it into a buffer and adding that
+// to dst element by element (dnnl_sgemm with beta = 1: oneDNN 2.6 adds C to the finished product) --
+// only where SgemmAddsExactly says so; a fold of products then reads and writes each chunk once.
+void SgemmRowBlockAdd(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+                      int64_t ldb, int64_t blocks, int64_t block, float* dst);
+// Whether dnnl_sgemm(beta = 1) into C gives C + (the beta = 0 product) bit for bit for an m x n x k
+// product: one pass over k (k <= 256; longer ones are summed in k blocks into C, and differ) and no
+// matrix-vector shape (m or n < 8: its gemv kernel accumulates into C as it goes). Checked on oneDNN's
+// build here by dnnl_kernels_test ("beta = 1 adds the finished product"), which fails if an update
+// changes it.
+bool SgemmAddsExactly(int64_t m, int64_t n, int64_t k);
 
 // Whether StepSgemm computes this product turned around.
 bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k);

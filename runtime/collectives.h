@@ -29,9 +29,12 @@ using ReplicaGroup = std::vector<int64_t>;
 // `chunk` of the owner's part into dst. Any member of the collective calls it, on the owner's
 // operands (a weight gradient's product: each member computes its chunk of every member's product,
 // so the products are never written out whole and read back).
+// add, where set, adds the chunk to dst with the bits of produce into a buffer and then dst[j] + buf[j]
+// (a sum's or a mean's fold then reads and writes each chunk once).
 struct PartProducer {
   void (*produce)(const void* context, int64_t chunk, float* dst) = nullptr;
   const void* context = nullptr;
+  void (*add)(const void* context, int64_t chunk, float* dst) = nullptr;
 };
 
 class Collectives {

@@ -416,11 +416,16 @@ void InProcessCollectives::ReduceScatterProducts(int replica, const ReplicaGroup
       continue;
     }
     // FoldFrom's per-element order: the first member's chunk, then each later one folded in, then
-    // the mean's division; the chunk computed by its owner's producer, member by member.
+    // the mean's division; the chunk computed by its owner's producer, member by member (a sum's
+    // later chunks added straight into the result where the producer can: PartProducer::add).
     float* o = out + col;
     float* chunk = ProducedChunk(ns[i]);
     for (int q = 0; q < g.size(); ++q) {
       const PartProducer& pr = g.slots[q].producers[i];
+      if (q > 0 && pr.add && op != Reduction::kMax) {
+        pr.add(pr.context, p, o);
+        continue;
+      }
       pr.produce(pr.context, p, q == 0 ? o : chunk);
       if (q == 0) continue;
       if (op == Reduction::kMax) FoldMaxInto(o, chunk, ns[i]);

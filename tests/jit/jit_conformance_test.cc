@@ -1569,6 +1569,44 @@ TEST_CASE("relu's mask after a max pooling gradient runs in the pooling gradient
   }
 }
 
+// SgemmRowBlockAdd's premise (the reduce-scatter's fold of produced weight gradients): where
+// SgemmAddsExactly holds, dnnl_sgemm with beta = 1 leaves C + P bit for bit, P the beta = 0 product.
+// Every transpose pairing, the MLP's row blocks at N = 8 and N = 4 (98, 128 and 256 rows, 10 and 1024
+// columns, 16 and 32 terms) and the rule's edges (8 rows or columns, 256 terms). If a oneDNN update
+// sums into C differently, this fails and the rule must narrow.
+TEST_CASE("sgemm with beta = 1 adds the finished product where SgemmAddsExactly says so", "[jit]") {
+  struct Shape3 {
+    int64_t m, n, k;
+  };
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Shape3 s : {Shape3{128, 1024, 16}, Shape3{98, 1024, 16}, Shape3{128, 10, 16}, Shape3{256, 1024, 32},
+                         Shape3{8, 8, 256}, Shape3{8, 100, 1}, Shape3{33, 8, 200}, Shape3{200, 300, 256}}) {
+    REQUIRE(jit::SgemmAddsExactly(s.m, s.n, s.k));
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb) {
+        std::vector<float> a(s.m * s.k), b(s.k * s.n), c(s.m * s.n), product(s.m * s.n);
+        for (float& x : a) x = normal(rng);
+        for (float& x : b) x = normal(rng);
+        for (float& x : c) x = 3.0f * normal(rng);
+        const int64_t lda = ta ? s.m : s.k, ldb = tb ? s.k : s.n;
+        jit::DnnlSgemm(ta, tb, s.m, s.n, s.k, a.data(), lda, b.data(), ldb, 0.0f, product.data(), s.n);
+        std::vector<float> added = c;
+        jit::DnnlSgemm(ta, tb, s.m, s.n, s.k, a.data(), lda, b.data(), ldb, 1.0f, added.data(), s.n);
+        int64_t differ = 0;
+        for (size_t i = 0; i < c.size(); ++i) {
+          const float want = c[i] + product[i];
+          differ += std::memcmp(&want, &added[i], sizeof(float)) != 0;
+        }
+        INFO(s.m << "x" << s.n << "x" << s.k << " ta=" << ta << " tb=" << tb);
+        CHECK(differ == 0);
+      }
+  }
+  CHECK_FALSE(jit::SgemmAddsExactly(128, 1024, 257));  // summed into C in k blocks
+  CHECK_FALSE(jit::SgemmAddsExactly(1, 1024, 16));     // a matrix-vector product
+  CHECK_FALSE(jit::SgemmAddsExactly(1024, 1, 16));
+}
+
 // relu's gradient mask gt(relu(z), 0), read after a matmul, with z batch norm's (x - mean) * scale: the
 // mask reads z, which its loop computes again from x (ReluMasksFromInputs, then RecomputeCheapValues),
 // not relu's output; with z from two values in memory (a residual's add) it still reads relu's output.

@@ -612,6 +612,11 @@ struct RowProducer {
     std::copy_n(p.rows + chunk * p.len, p.len, dst);
     ++*p.calls;
   }
+  static void Add(const void* self, int64_t chunk, float* dst) {
+    const auto& p = *static_cast<const RowProducer*>(self);
+    for (int64_t j = 0; j < p.len; ++j) dst[j] += p.rows[chunk * p.len + j];
+    *p.calls += 1000;
+  }
 };
 }  // namespace
 
@@ -637,6 +642,19 @@ TEST_CASE("InProcessCollectives: produced parts fold with the bits of the materi
     });
     CHECK(calls.load() == n * n);  // each member produces its chunk of every member's part
     for (int r = 0; r < n; ++r) CHECK(BitDiff(produced[r], materialised[r]) == "");
+    // With an add: the first member's chunk produced, each later one added into the result (a max
+    // still produces every chunk and folds it).
+    Buffers added(n, std::vector<float>(3009, -7.0f));
+    calls = 0;
+    RunReplicas(n, &c, [&](int r) {
+      const float* ins[] = {in[r].data(), in[r].data() + offset[1] * n, in[r].data() + offset[2] * n};
+      const RowProducer rows{ins[1], ns[1], &calls};
+      const PartProducer producers[] = {{}, {&RowProducer::Produce, &rows, &RowProducer::Add}, {}};
+      const float* no_part1[] = {ins[0], nullptr, ins[2]};
+      c.ReduceScatterProducts(r, Iota(0, n), no_part1, producers, ns.data(), 3, added[r].data(), op);
+    });
+    CHECK(calls.load() == (op == Reduction::kMax ? n * n : n + 1000 * n * (n - 1)));
+    for (int r = 0; r < n; ++r) CHECK(BitDiff(added[r], materialised[r]) == "");
   }
   SECTION("members that disagree on which parts are produced get an error naming them") {
     InProcessCollectives c(2);
