@@ -695,6 +695,10 @@ void AddRowBlock(const void* context, int64_t chunk, float* dst) {
   const ProductOperands& p = *static_cast<const ProductOperands*>(context);
   SgemmRowBlockAdd(p.ta, p.tb, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.blocks, chunk, dst);
 }
+// The producer of a product's row blocks, which adds them in place where that keeps the bits.
+runtime::PartProducer RowBlockProducer(const ProductOperands& p) {
+  return {&ProduceRowBlock, &p, SgemmAddsExactly(p.m / p.blocks, p.n, p.k) ? &AddRowBlock : nullptr};
+}
 }  // namespace
 
 // A weight gradient's product, C = A^T B, in a step of N > 1 replicas: N row blocks (RowBlockSgemm)
@@ -878,9 +882,7 @@ void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& g
           continue;
         }
         BindProduct(d, *ws, &ws->product_operands[i]);
-        const ProductOperands& po = ws->product_operands[i];
-        producers[i] = {&ProduceRowBlock, &po,
-                        SgemmAddsExactly(po.m / po.blocks, po.n, po.k) ? &AddRowBlock : nullptr};
+        producers[i] = RowBlockProducer(ws->product_operands[i]);
       }
       return c->ReduceScatterProducts(replica, group, ins, producers, pk.lens.data(), parts, out, ReductionOf(in));
     }
@@ -1470,7 +1472,7 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
         c->AllReduce(replica, group, x, o, nout, ReductionOf(in));
       } else if (in.op == OpCode::kReduceScatter && plain_product_[v] >= 0 && c->FoldsProducts()) {
         BindProduct(plain_product_[v], *ws, &ws->product_operands[0]);
-        const runtime::PartProducer producer{&ProduceRowBlock, &ws->product_operands[0]};
+        const runtime::PartProducer producer = RowBlockProducer(ws->product_operands[0]);
         c->ReduceScatterProducts(replica, group, &x, &producer, &nout, 1, o, ReductionOf(in));
       } else if (in.op == OpCode::kReduceScatter) {
         c->ReduceScatter(replica, group, x, o, nout, ReductionOf(in));
