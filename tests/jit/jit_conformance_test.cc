@@ -1607,6 +1607,31 @@ TEST_CASE("sgemm with beta = 1 adds the finished product where SgemmAddsExactly 
   CHECK_FALSE(jit::SgemmAddsExactly(1024, 1, 16));
 }
 
+// TurnedSgemmNT (C = A B^T as C^T = B A^T, transposed in and out: whole 8 x 8 blocks in AVX registers,
+// the edges element by element): rows and columns that are and are not multiples of 8, against a
+// double-precision product (a misplaced element would be off by far more than rounding).
+TEST_CASE("a product turned around and transposed back is C = A B^T", "[jit]") {
+  std::mt19937 rng(9);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (int64_t m : {16, 20, 37, 48})
+    for (int64_t n : {128, 135, 1000}) {
+      const int64_t k = 512;
+      std::vector<float> a(m * k), b(n * k), c(m * n);
+      for (float& x : a) x = uniform(rng);
+      for (float& x : b) x = uniform(rng);
+      jit::TurnedSgemmNT(m, n, k, a.data(), b.data(), c.data());
+      double worst = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < n; ++j) {
+          double want = 0;
+          for (int64_t l = 0; l < k; ++l) want += static_cast<double>(a[i * k + l]) * b[j * k + l];
+          worst = std::max(worst, std::abs(want - c[i * n + j]));
+        }
+      INFO(m << "x" << n << "x" << k);
+      CHECK(worst < 1e-3);  // 512 terms of magnitude < 1 in f32
+    }
+}
+
 // relu's gradient mask gt(relu(z), 0), read after a matmul, with z batch norm's (x - mean) * scale: the
 // mask reads z, which its loop computes again from x (ReluMasksFromInputs, then RecomputeCheapValues),
 // not relu's output; with z from two values in memory (a residual's add) it still reads relu's output.
