@@ -1,6 +1,11 @@
 // One thread per replica (fresh, or parked in a pool), first failure aborts the collectives and is rethrown.
 #include "runtime/replica_runner.h"
 
+#include <pthread.h>
+#include <sched.h>
+
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 
 #include "ir/error.h"
@@ -50,11 +55,36 @@ void RunReplicas(int n, Collectives* c, const std::function<void(int replica)>& 
   if (first_failure) throw Error(*first_failure);
 }
 
+std::vector<int> ReplicaCpus(int n) {
+  static const bool wanted = [] {
+    const char* e = std::getenv("SHARDSTEP_PIN_REPLICAS");
+    return !(e && std::strcmp(e, "0") == 0);
+  }();
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (!wanted || sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return {};
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+  if (cpus.empty() || n < static_cast<int>(cpus.size())) return {};
+  std::vector<int> of(n);
+  for (int r = 0; r < n; ++r) of[r] = cpus[r % cpus.size()];
+  return of;
+}
+
 ReplicaPool::ReplicaPool(int n) {
   if (n <= 0) throw Error(Str("a replica pool needs at least one replica, got ", n));
   threads_.reserve(n);
+  const std::vector<int> cpus = ReplicaCpus(n);
   try {
-    for (int r = 0; r < n; ++r) threads_.emplace_back(&ReplicaPool::Worker, this, r);
+    for (int r = 0; r < n; ++r) {
+      threads_.emplace_back(&ReplicaPool::Worker, this, r);
+      if (cpus.empty()) continue;
+      cpu_set_t one;
+      CPU_ZERO(&one);
+      CPU_SET(cpus[r], &one);
+      pthread_setaffinity_np(threads_.back().native_handle(), sizeof(one), &one);  // a failure only costs speed
+    }
   } catch (const std::exception& e) {
     {
       std::lock_guard lk(mu_);

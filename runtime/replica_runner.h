@@ -27,6 +27,15 @@ void RunReplicas(int n, Collectives* c, const std::function<void(int replica)>& 
 // The same, on n threads started once and parked between runs: replica r always runs on the same
 // thread, so a training step starts no thread and its thread-local scratch (kernels' buffers, oneDNN's
 // per-thread settings) survives from step to step. Run is not reentrant; the destructor joins.
+// With at least as many replicas as CPUs the process may run on, replica r's thread stays on the
+// (r mod count)-th of them (ReplicaCpus): every CPU is busy with replicas anyway, and the scheduler
+// otherwise spent the first ~15 steps after each pause moving 8 threads between 2 cores (MLP N = 8:
+// 5.4-6.0 ms steps falling to 4.4 over a 20-step block after a 150 ms pause; pinned, 4.5 from the
+// second step). SHARDSTEP_PIN_REPLICAS=0 leaves the threads to the scheduler.
+// The CPU each of n pool threads is pinned to, or none (fewer replicas than allowed CPUs, or
+// SHARDSTEP_PIN_REPLICAS=0): the process's allowed CPUs (sched_getaffinity) taken in turn.
+std::vector<int> ReplicaCpus(int n);
+
 class ReplicaPool {
  public:
   explicit ReplicaPool(int n);

@@ -2,8 +2,11 @@
 // Each replica keeps its thread across runs; the first failure aborts the collectives, wakes the
 // replicas blocked in them and is rethrown; the pool keeps working afterwards; executors step on it.
 #include <catch2/catch.hpp>
+#include <sched.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <set>
 #include <thread>
 
@@ -34,6 +37,36 @@ TEST_CASE("a replica keeps its thread from run to run, and runs see each other's
     CHECK(counter[r] == 500 * (r + 1));
   }
   CHECK_THROWS_WITH(ReplicaPool(0), Catch::Contains("at least one replica"));
+}
+
+// With at least as many replicas as allowed CPUs, thread r runs only on the (r mod count)-th allowed
+// CPU; with fewer, the threads are left to the scheduler (another process's replicas may need the rest).
+TEST_CASE("pool threads of more replicas than CPUs stay on one CPU each, taken in turn") {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  REQUIRE(sched_getaffinity(0, sizeof(allowed), &allowed) == 0);
+  std::vector<int> cpus;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+    if (CPU_ISSET(cpu, &allowed)) cpus.push_back(cpu);
+  const int n = 2 * static_cast<int>(cpus.size()) + 1;
+  const std::vector<int> of = ReplicaCpus(n);
+  if (const char* e = std::getenv("SHARDSTEP_PIN_REPLICAS"); e && std::string(e) == "0") {
+    CHECK(of.empty());  // switched off: nothing else to check
+    return;
+  }
+  REQUIRE(static_cast<int>(of.size()) == n);
+  for (int r = 0; r < n; ++r) CHECK(of[r] == cpus[r % cpus.size()]);
+  if (cpus.size() > 1) CHECK(ReplicaCpus(static_cast<int>(cpus.size()) - 1).empty());
+  ReplicaPool pool(n);
+  std::vector<std::vector<int>> runs_on(n);  // each thread's allowed CPUs, as it sees them
+  pool.Run(nullptr, [&](int r) {
+    cpu_set_t mine;
+    CPU_ZERO(&mine);
+    if (sched_getaffinity(0, sizeof(mine), &mine) != 0) return;
+    for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu)
+      if (CPU_ISSET(cpu, &mine)) runs_on[r].push_back(cpu);
+  });
+  for (int r = 0; r < n; ++r) CHECK(runs_on[r] == std::vector<int>{of[r]});
 }
 
 TEST_CASE("collectives work across pool threads, and the first failure wakes the others and is rethrown") {
