@@ -1320,8 +1320,8 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   step->driver_ = reinterpret_cast<StepDriverFn>(step->jit_->Lookup(kStepDriverName));
   step->kernel_fns_.assign(step->kernels_.size(), nullptr);
   if (PerfMapWanted()) step->WritePerfMap();
-  for (const ReduceGroup& g : step->reduce_groups_)
-    step->kernel_fns_[g.kernel] = reinterpret_cast<void*>(step->jit_->Lookup(step->kernels_[g.kernel].name));
+  for (size_t i = 0; i < step->kernels_.size(); ++i)  // the fused reductions call them; profiles name them
+    step->kernel_fns_[i] = reinterpret_cast<void*>(step->jit_->Lookup(step->kernels_[i].name));
   step->info_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   MemoryCache()[mem_key] = step;
   return step;

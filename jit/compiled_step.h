@@ -111,6 +111,7 @@ class CompiledStep {
   void WritePerfMap() const;
   const CompileInfo& info() const { return info_; }
   const std::vector<FusedKernel>& kernels() const { return kernels_; }
+  const std::vector<void*>& kernel_fns() const { return kernel_fns_; }  // per kernel: its compiled loop
   // Byte offset of value v in the workspace arena, or -1 (no buffer, or a tensor of its own).
   int64_t arena_offset(ir::ValueId v) const { return offset_[v]; }
 

@@ -355,12 +355,17 @@ class Emitter {
     return call;
   }
 
+  // A loop that WideAndInterleaved pays for: vectorised exp, log or tanh and no libm call (sin, cos,
+  // pow stay scalar calls: forcing a width on them fails, and LLVM prints that failure on stderr; the
+  // cosine schedule's one-element loop did, at every bf16 transformer_lm compile).
   bool HasVectorMath(const FusedKernel& k) const {
+    bool vector_math = false;
     for (ValueId v : k.members) {
       const OpCode op = m_.at(v).op;
-      if (op == OpCode::kExp || op == OpCode::kLog || op == OpCode::kTanh || op == OpCode::kSigmoid) return true;
+      if (op == OpCode::kSin || op == OpCode::kCos || op == OpCode::kPow) return false;
+      vector_math |= op == OpCode::kExp || op == OpCode::kLog || op == OpCode::kTanh || op == OpCode::kSigmoid;
     }
-    return false;
+    return vector_math;
   }
 
   llvm::Value* Exp(llvm::IRBuilder<>& b, llvm::Value* a) { return libm_ ? LibmCall(b, "expf", {a}) : EmitExp(b, a); }

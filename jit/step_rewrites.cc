@@ -47,9 +47,12 @@ void ReadBf16OperandsInPlace(ir::Module& m) {
 // convert(reshape(x), bf16). Rounding is elementwise and a reshape keeps the element order, so the JIT
 // rounds first, reshape(convert(x, bf16)): the rounding then joins the loop that computes x (one pass
 // writes both) instead of a loop of its own reading x back (the transformer's activations: 57 passes
-// over [4096,128] per step). The same bits.
+// over [4096,128] per step). The same bits. One rounding per x: the reshapes of one value (the
+// transformer's layer-norm output, reshaped for each of Q, K and V) share it, where three converts
+// wrote three copies.
 void RoundBeforeReshapes(ir::Module& m) {
   bool changed = false;
+  std::map<ValueId, ValueId> round_of;  // x -> convert(x, bf16)
   const int n = m.size();
   for (ValueId c = 0; c < n; ++c) {
     const ir::Instr in = m.at(c);  // copies: Append may move the instructions
@@ -57,11 +60,15 @@ void RoundBeforeReshapes(ir::Module& m) {
     ir::Instr reshape = m.at(in.operands[0]);
     const ValueId x = reshape.operands[0];
     if (m.type(x).dtype != DType::kF32) continue;
-    ir::Instr round = in;
-    round.operands = {x};
-    round.type = ir::TensorType{DType::kBF16, m.type(x).shape};
-    round.attrs.erase(ir::kFusionAttr);
-    reshape.operands = {m.Append(round)};
+    auto it = round_of.find(x);
+    if (it == round_of.end()) {
+      ir::Instr round = in;
+      round.operands = {x};
+      round.type = ir::TensorType{DType::kBF16, m.type(x).shape};
+      round.attrs.erase(ir::kFusionAttr);
+      it = round_of.emplace(x, m.Append(round)).first;
+    }
+    reshape.operands = {it->second};
     reshape.type = in.type;
     reshape.attrs.erase(ir::kFusionAttr);
     m.ReplaceAllUses(c, m.Append(reshape));

@@ -64,6 +64,14 @@ std::string InstrKey(const CompiledStep& step, int64_t v) {
   return Str(ir::OpName(in.op), " %", v, " ", in.type.ToString());
 }
 
+// A fused loop's level-2 key: its length, name and first member ("fused loops n=<elements> ss_k<i> %<v>").
+std::string KernelKey(const CompiledStep& step, void* fn, int64_t n) {
+  const auto& fns = step.kernel_fns();
+  for (size_t i = 0; i < fns.size(); ++i)
+    if (fns[i] == fn) return Str("fused loops n=", n, " ", step.kernels()[i].name, " %", step.kernels()[i].members[0]);
+  return Str("fused loops n=", n);
+}
+
 // Runs `body`, timed as `what` (a callable giving the name, so no string is built when not
 // profiling); an exception becomes status 1 with the exception kept in ctx.
 template <typename Name, typename Body>
@@ -107,7 +115,7 @@ using shardstep::jit::Guarded;
 using shardstep::jit::StepContext;
 
 extern "C" int32_t ss_rt_kernel(StepContext* ctx, void* kernel, void* const* bufs, int64_t n) {
-  return Guarded(ctx, [&] { return shardstep::jit::ProfileLevel() < 2 ? std::string("fused loops") : shardstep::Str("fused loops n=", n); }, [&] {
+  return Guarded(ctx, [&] { return shardstep::jit::ProfileLevel() < 2 ? std::string("fused loops") : shardstep::jit::KernelKey(*ctx->step, kernel, n); }, [&] {
     const auto fn = reinterpret_cast<shardstep::jit::KernelFn>(kernel);
     if (n >= 2 * shardstep::jit::kGrain) {
       tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, shardstep::jit::kGrain),

@@ -32,6 +32,7 @@
 
 #include "ir/builder.h"
 #include "ir/printer.h"
+#include "ir/passes/mixed_precision.h"
 #include "ir/error.h"
 #include "ir/shape_inference.h"
 #include "jit/compiled_step.h"
@@ -2019,6 +2020,42 @@ TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bi
     REQUIRE(got.at(k).dtype() == DType::kBF16);
     CHECK(got.at(k).shape() == ref.at(k).shape());
     CHECK(got.at(k).bf16 == ref.at(k).bf16);
+  }
+}
+
+// Reshapes of one value feeding several bf16 matmuls (the transformer's layer-norm output, reshaped
+// for each of Q, K and V) share one rounding (RoundBeforeReshapes): one bf16 copy written by the loop
+// that computes the value, not one per matmul. The interpreter's results.
+TEST_CASE("bf16: the reshapes of one value share its rounding", "[jit][bf16]") {
+  ir::Module m;
+  m.name = "shared rounding";
+  ir::Builder b(&m);
+  const ir::ValueId x = b.Input("x", {DType::kF32, {4, 8, 16}});
+  const ir::ValueId y = b.Unary(OpCode::kTanh, x);
+  TensorMap vars, inputs{{"x", Random({DType::kF32, {4, 8, 16}}, 5, Dist::kWide)}};
+  for (int i = 0; i < 3; ++i) {
+    const std::string w = "w" + std::to_string(i);
+    const ir::ValueId wv = b.Variable(w, {DType::kF32, {16, 24}}, "weight");
+    vars[w] = Random({DType::kF32, {16, 24}}, 7 + i, Dist::kUniform);
+    m.outputs.push_back({"out" + std::to_string(i), b.Matmul(b.Reshape(y, {32, 16}), wv)});
+  }
+  REQUIRE(ir::MixedPrecision().Run(m));
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  INFO(ir::Print(step->module()));
+  int roundings = 0;
+  for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+    const ir::Instr& in = step->module().at(v);
+    roundings += in.op == OpCode::kConvert && in.type.dtype == DType::kBF16;
+  }
+  CHECK(roundings == 4);  // y once, and each weight
+  TensorMap vars2 = vars;
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars2, inputs);
+  for (int i = 0; i < 3; ++i) {
+    const std::string k = "out" + std::to_string(i);
+    INFO(k);
+    REQUIRE(got.at(k).f32.size() == ref.at(k).f32.size());
+    for (size_t e = 0; e < ref.at(k).f32.size(); ++e)
+      CHECK(std::fabs(got.at(k).f32[e] - ref.at(k).f32[e]) <= 1e-5f * (1 + std::fabs(ref.at(k).f32[e])));
   }
 }
 
