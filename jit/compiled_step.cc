@@ -1206,6 +1206,14 @@ bool JitDumpWanted() {
   const char* path = std::getenv("SHARDSTEP_JIT_DUMP");
   return path && *path;
 }
+// SHARDSTEP_JIT_SINK=0: every loop output is written (to compare; SinkCheapLoopOutputs).
+bool SinkWanted() {
+  static const bool on = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_SINK");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 // SHARDSTEP_JIT_RELU_MASKS=0: relu's gradient masks read relu's output (to compare; ReluMasksFromInputs).
 bool ReluMasksFromInputsWanted() {
   static const bool on = [] {
@@ -1284,6 +1292,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   const int recomputed = RecomputeCheapValues(m);
   const int broadcast_copies = CopyBroadcastsPerReader(m);
   ir::ElementwiseFuser().Run(m);
+  if (SinkWanted()) SinkCheapLoopOutputs(m);
   const std::string text = ir::Print(m);
   AppendJitModuleText(text);
   static const bool fuse_env = [] {

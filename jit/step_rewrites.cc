@@ -329,3 +329,111 @@ int CopyBroadcastsPerReader(ir::Module& m) {
 }
 
 }  // namespace shardstep::jit
+
+namespace shardstep::jit {
+
+// After the fuser: a loop output v = f(w, broadcasts, constants), with w in memory anyway, whose every
+// reader outside v's loop is an elementwise loop of v's shape, is computed again in those loops from w
+// instead of written and read back. resnet20's batch-norm gradient: the scaled gradient
+// select(mask, dy, 0) * (gamma * rstd) was written by the sums' loop, which writes the select anyway
+// (the residual branch reads it), and read by the dx loop: one [128,28,28,16] tensor fewer written per
+// first-stage layer. (RecomputeCheapValues, before the fuser, cannot see that the select is written.)
+// The same ops on the same values: the same bits.
+int SinkCheapLoopOutputs(ir::Module& m) {
+  const int n = m.size();
+  const auto users = m.Users();
+  auto group = [&](ValueId v) { return static_cast<int>(m.at(v).GetInt(ir::kFusionAttr, -1)); };
+  std::vector<char> root(n, 0);  // returned or assigned
+  for (const auto& [name, v] : m.outputs) root[v] = 1;
+  for (const auto& [var, v] : m.assigns) root[v] = 1;
+  // In memory whatever happens here: not a loop member (a leaf, a matmul's result...), returned, or read
+  // by another loop or a non-fused op other than a sum (which may fuse with v's loop).
+  auto in_memory = [&](ValueId x) {
+    const ir::Instr& in = m.at(x);
+    if (root[x]) return true;
+    if (group(x) < 0) return in.op != OpCode::kConstant && in.op != OpCode::kBroadcast;
+    for (ValueId u : users[x]) {
+      const OpCode op = m.at(u).op;
+      if (group(u) >= 0 ? group(u) != group(x)
+                        : op != OpCode::kReduceSum && op != OpCode::kReduceMean && op != OpCode::kReduceMax)
+        return true;
+    }
+    return false;
+  };
+  // Per reader: the values it computes again (each gets its own copy in the reader's loop).
+  std::vector<std::vector<ValueId>> sunk_into(n);
+  int sunk = 0;
+  for (ValueId v = 0; v < n; ++v) {
+    const ir::Instr& in = m.at(v);
+    const int g = group(v);
+    if (g < 0 || root[v] || in.op == OpCode::kBroadcast || !ir::IsFusible(m, v)) continue;
+    if (in.type.elements() < kMinRecomputedElements) continue;
+    int leaves = 0;
+    bool ok = true;
+    for (ValueId o : in.operands) {
+      const OpCode op = m.at(o).op;
+      if (op == OpCode::kConstant || op == OpCode::kBroadcast) continue;
+      if (!in_memory(o)) ok = false;
+      ++leaves;
+    }
+    if (!ok || leaves != 1) continue;
+    std::vector<ValueId> readers;
+    for (ValueId u : users[v]) {
+      if (group(u) == g) continue;
+      if (group(u) < 0 || m.at(u).op == OpCode::kBroadcast || m.type(u).shape != in.type.shape) {
+        ok = false;
+        break;
+      }
+      if (readers.empty() || readers.back() != u) readers.push_back(u);
+    }
+    if (!ok || readers.empty()) continue;
+    for (ValueId u : readers) sunk_into[u].push_back(v);
+    ++sunk;
+  }
+  if (sunk == 0) return 0;
+  // Rebuilt with each copy just before its reader (appending would let Canonicalize move the reader
+  // and everything after it to the end of the step).
+  ir::Module out = m;
+  out.instrs.clear();
+  std::vector<ValueId> id(n, ir::kNoValue);
+  auto emit = [&](ir::Instr in) {
+    out.instrs.push_back(std::move(in));
+    return static_cast<ValueId>(out.instrs.size() - 1);
+  };
+  std::map<std::pair<ValueId, int>, ValueId> copy_in;  // (v, reader's loop) -> v's copy there
+  for (ValueId u = 0; u < n; ++u) {
+    ir::Instr in = m.at(u);
+    for (ValueId& o : in.operands) o = id[o];
+    for (ValueId v : sunk_into[u]) {
+      if (auto it = copy_in.find({v, group(u)}); it != copy_in.end()) {
+        for (size_t i = 0; i < in.operands.size(); ++i)
+          if (m.at(u).operands[i] == v) in.operands[i] = it->second;
+        continue;
+      }
+      ir::Instr c = m.at(v);
+      c.attrs[ir::kFusionAttr] = int64_t{group(u)};
+      for (ValueId& o : c.operands) {
+        if (m.at(o).op == OpCode::kBroadcast) {  // the reader's own copy, read through its index map
+          ir::Instr b = m.at(o);
+          b.attrs[ir::kFusionAttr] = int64_t{group(u)};
+          for (ValueId& bo : b.operands) bo = id[bo];
+          o = emit(std::move(b));
+        } else {
+          o = id[o];
+        }
+      }
+      const ValueId copy = copy_in[{v, group(u)}] = emit(std::move(c));
+      for (size_t i = 0; i < in.operands.size(); ++i)
+        if (m.at(u).operands[i] == v) in.operands[i] = copy;
+    }
+    id[u] = emit(std::move(in));
+  }
+  for (auto& [var, v] : out.assigns) var = id[var], v = id[v];
+  for (auto& [var, g] : out.gradients) var = id[var], g = id[g];
+  for (auto& [name, v] : out.outputs) v = id[v];
+  out.Canonicalize();  // drops a value no reader is left with
+  m = std::move(out);
+  return sunk;
+}
+
+}  // namespace shardstep::jit

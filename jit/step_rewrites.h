@@ -33,5 +33,8 @@ int ReluMasksFromInputs(ir::Module& m);
 // Return the number of copies made.
 int RecomputeCheapValues(ir::Module& m);
 int CopyBroadcastsPerReader(ir::Module& m);
+// After the fuser (it reads the "fusion" groups): returns the number of loop outputs computed again in
+// their readers' loops instead of written (step_rewrites.cc).
+int SinkCheapLoopOutputs(ir::Module& m);
 
 }  // namespace shardstep::jit

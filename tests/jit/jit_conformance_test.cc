@@ -32,6 +32,7 @@
 
 #include "ir/builder.h"
 #include "ir/printer.h"
+#include "ir/passes/elementwise_fuser.h"
 #include "ir/passes/mixed_precision.h"
 #include "ir/error.h"
 #include "ir/shape_inference.h"
@@ -2056,6 +2057,43 @@ TEST_CASE("bf16: the reshapes of one value share its rounding", "[jit][bf16]") {
     REQUIRE(got.at(k).f32.size() == ref.at(k).f32.size());
     for (size_t e = 0; e < ref.at(k).f32.size(); ++e)
       CHECK(std::fabs(got.at(k).f32[e] - ref.at(k).f32[e]) <= 1e-5f * (1 + std::fabs(ref.at(k).f32[e])));
+  }
+}
+
+// A loop output t = s * broadcast(c), with s written anyway (returned here; the residual branch's
+// gradient in resnet20), read only by a later loop (after a sum that loop waits for): the later loop
+// computes t again from s (SinkCheapLoopOutputs), and the first loop writes s alone. The
+// interpreter's bits.
+TEST_CASE("a loop output computed from a value in memory is computed again by its reader's loop", "[jit]") {
+  ir::Module m;
+  m.name = "sunk output";
+  ir::Builder b(&m);
+  const ir::TensorType t2{DType::kF32, {64, 32}};
+  const ir::ValueId x = b.Input("x", t2), y = b.Input("y", t2);
+  const ir::ValueId c = b.Variable("c", {DType::kF32, {32}}, "weight");
+  const ir::ValueId s = b.Add(x, y);
+  const ir::ValueId t = b.Mul(s, b.Broadcast(c, {64, 32}, {1}));
+  const ir::ValueId r = b.ReduceSum(s, {0});                      // the first loop's sum
+  const ir::ValueId u = b.Mul(t, b.Broadcast(r, {64, 32}, {1}));  // waits for it: another loop
+  m.outputs.push_back({"s", s});
+  m.outputs.push_back({"u", u});
+  TensorMap vars{{"c", Random({DType::kF32, {32}}, 3, Dist::kUniform)}};
+  TensorMap inputs{{"x", Random(t2, 4, Dist::kWide)}, {"y", Random(t2, 5, Dist::kWide)}};
+  ir::Module fused = m;
+  ir::ElementwiseFuser().Run(fused);
+  CHECK(jit::SinkCheapLoopOutputs(fused) == 1);
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  INFO(ir::Print(step->module()));
+  int outputs = 0;  // the loops' outputs of t's shape: s and u (t was a third)
+  for (const jit::FusedKernel& k : step->kernels())
+    for (ir::ValueId o : k.outputs) outputs += step->module().type(o).shape == t2.shape;
+  CHECK(outputs == 2);
+  TensorMap vars2 = vars;
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars2, inputs);
+  for (const char* k : {"s", "u"}) {
+    INFO(k);
+    REQUIRE(got.at(k).f32.size() == ref.at(k).f32.size());
+    for (size_t e = 0; e < ref.at(k).f32.size(); ++e) CHECK(conformance::Bits(got.at(k).f32[e]) == conformance::Bits(ref.at(k).f32[e]));
   }
 }
 
