@@ -328,10 +328,6 @@ int CopyBroadcastsPerReader(ir::Module& m) {
   return copies;
 }
 
-}  // namespace shardstep::jit
-
-namespace shardstep::jit {
-
 // After the fuser: a loop output v = f(w, broadcasts, constants), with w in memory anyway, whose every
 // reader outside v's loop is an elementwise loop of v's shape, is computed again in those loops from w
 // instead of written and read back. resnet20's batch-norm gradient: the scaled gradient

@@ -1,6 +1,7 @@
 // The JIT's own rewrites of a step module before it is planned (CompiledStep::Compile), in this order:
 // RoundBeforeReshapes, RoundInTransposes, ReadBf16OperandsInPlace, MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
-// jit/channels_last.h), ReluMasksFromInputs, RecomputeCheapValues, CopyBroadcastsPerReader. Each keeps every value's bits;
+// jit/channels_last.h), ReluMasksFromInputs, RecomputeCheapValues, CopyBroadcastsPerReader, then (after the
+// elementwise fuser, whose groups it reads) SinkCheapLoopOutputs. Each keeps every value's bits;
 // they change where values are computed and what reaches memory. Some leave forms only the JIT reads
 // (attributes below); `SHARDSTEP_JIT_DUMP=FILE` shows the module after them.
 #pragma once
