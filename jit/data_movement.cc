@@ -82,6 +82,50 @@ Strides RowIndex(const Shape& shape, int64_t row) {
   return idx;
 }
 
+// fn(row, count, off, step) over rows [r0, r1) (off: row r0's offset through `strides`) in runs along
+// the second-to-last dimension: the run's rows are at off, off + step, ... A row of attention's heads
+// is 32 elements; a call and an index update per row cost more than its copy.
+template <typename Fn>
+void ForRowRuns(const Shape& shape, const Strides& strides, int64_t r0, int64_t r1, int64_t off, Fn fn) {
+  const int rank = static_cast<int>(shape.size());
+  if (rank < 2) return fn(r0, r1 - r0, off, int64_t{0});
+  Strides idx = RowIndex(shape, r0);
+  const int64_t len = shape[rank - 2], step = strides[rank - 2];
+  for (int64_t row = r0; row < r1;) {
+    const int64_t count = std::min(r1 - row, len - idx[rank - 2]);
+    fn(row, count, off, step);
+    row += count;
+    off += (count - 1) * step;
+    idx[rank - 2] += count - 1;
+    NextRow(shape, strides, idx, off);
+  }
+}
+
+// rows x n elements: row r from s + r * s_step to d + r * d_step (contiguous rows); short rows
+// inline, long ones by memcpy. Compiled for AVX-512 too, picked once by the CPU.
+template <typename = void>
+[[gnu::always_inline]] inline void CopyRowsBody(const uint32_t* s, int64_t s_step, int64_t n, int64_t rows, uint32_t* d,
+                                                int64_t d_step) {
+  for (int64_t r = 0; r < rows; ++r, s += s_step, d += d_step) {
+    if (n >= 256) {
+      std::memcpy(d, s, n * 4);
+      continue;
+    }
+    for (int64_t k = 0; k < n; ++k) d[k] = s[k];
+  }
+}
+__attribute__((target("avx512f"))) void CopyRowsAvx512(const uint32_t* s, int64_t s_step, int64_t n, int64_t rows,
+                                                       uint32_t* d, int64_t d_step) {
+  CopyRowsBody(s, s_step, n, rows, d, d_step);
+}
+void CopyRowsBase(const uint32_t* s, int64_t s_step, int64_t n, int64_t rows, uint32_t* d, int64_t d_step) {
+  CopyRowsBody(s, s_step, n, rows, d, d_step);
+}
+void CopyRows(const uint32_t* s, int64_t s_step, int64_t n, int64_t rows, uint32_t* d, int64_t d_step) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  avx512 ? CopyRowsAvx512(s, s_step, n, rows, d, d_step) : CopyRowsBase(s, s_step, n, rows, d, d_step);
+}
+
 }  // namespace
 
 void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
@@ -96,19 +140,18 @@ void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
 }
 
 namespace {
-// dst (row-major over `shape`) = src read through `ss`, one row of the last dimension at a time:
-// copy_row(s, si, n, d) writes the n elements s[0], s[si], ... to d (a scalar is one row of one).
-template <typename S, typename D, typename CopyRow>
-void GatherRows(const Shape& shape, const S* src, const Strides& ss, D* dst, CopyRow copy_row) {
+// dst (row-major over `shape`) = src read through `ss`, rows of the last dimension in runs:
+// copy_rows(s, si, step, n, rows, d) writes rows x n elements, row r's s[r * step + k * si] to
+// d[r * n + k] (a scalar is one row of one).
+template <typename S, typename D, typename Copy>
+void GatherRows(const Shape& shape, const S* src, const Strides& ss, D* dst, Copy copy_rows) {
   if (ir::NumElements(shape) == 0) return;
-  if (shape.empty()) return copy_row(src, int64_t{1}, int64_t{1}, dst);
+  if (shape.empty()) return copy_rows(src, int64_t{1}, int64_t{0}, int64_t{1}, int64_t{1}, dst);
   const int64_t n = shape.back(), si = ss.back();
   ForRowBlocks(shape, ss, [&](int64_t r0, int64_t r1, int64_t off) {
-    Strides idx = RowIndex(shape, r0);
-    for (int64_t row = r0; row < r1; ++row) {
-      copy_row(src + off, si, n, dst + row * n);
-      NextRow(shape, ss, idx, off);
-    }
+    ForRowRuns(shape, ss, r0, r1, off, [&](int64_t row, int64_t count, int64_t at, int64_t step) {
+      copy_rows(src + at, si, step, n, count, dst + row * n);
+    });
   });
 }
 
@@ -122,29 +165,36 @@ template <typename = void>
     d[k] = static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
   }
 }
-__attribute__((target("avx512f,avx512bw"))) void RoundRowAvx512(const float* s, int64_t n, uint16_t* d) {
-  RoundRowBody(s, n, d);
+// rows x n: row r of s (at r * step) rounded to d + r * n.
+__attribute__((target("avx512f,avx512bw"))) void RoundRowsAvx512(const float* s, int64_t step, int64_t n,
+                                                                 int64_t rows, uint16_t* d) {
+  for (int64_t r = 0; r < rows; ++r) RoundRowBody(s + r * step, n, d + r * n);
 }
-void RoundRowBase(const float* s, int64_t n, uint16_t* d) { RoundRowBody(s, n, d); }
-void RoundRow(const float* s, int64_t n, uint16_t* d) {
+void RoundRowsBase(const float* s, int64_t step, int64_t n, int64_t rows, uint16_t* d) {
+  for (int64_t r = 0; r < rows; ++r) RoundRowBody(s + r * step, n, d + r * n);
+}
+void RoundRows(const float* s, int64_t step, int64_t n, int64_t rows, uint16_t* d) {
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  avx512 ? RoundRowAvx512(s, n, d) : RoundRowBase(s, n, d);
+  avx512 ? RoundRowsAvx512(s, step, n, rows, d) : RoundRowsBase(s, step, n, rows, d);
 }
 }  // namespace
 
 // Elements are 4 bytes (f32 or s32).
 void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst) {
-  GatherRows(shape, src, ss, dst, [](const uint32_t* s, int64_t si, int64_t n, uint32_t* d) {
-    if (si == 1) std::memcpy(d, s, n * 4);
-    else if (si == 0) std::fill(d, d + n, s[0]);
-    else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+  GatherRows(shape, src, ss, dst, [](const uint32_t* s, int64_t si, int64_t step, int64_t n, int64_t rows, uint32_t* d) {
+    if (si == 1) return CopyRows(s, step, n, rows, d, n);
+    for (int64_t r = 0; r < rows; ++r, s += step, d += n) {
+      if (si == 0) std::fill(d, d + n, s[0]);
+      else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+    }
   });
 }
 
 void StridedGatherToBf16(const Shape& shape, const float* src, const Strides& ss, uint16_t* dst) {
-  GatherRows(shape, src, ss, dst, [](const float* s, int64_t si, int64_t n, uint16_t* d) {
-    if (si == 1) RoundRow(s, n, d);
-    else for (int64_t k = 0; k < n; ++k) d[k] = runtime::F32ToBf16(s[k * si]);
+  GatherRows(shape, src, ss, dst, [](const float* s, int64_t si, int64_t step, int64_t n, int64_t rows, uint16_t* d) {
+    if (si == 1) return RoundRows(s, step, n, rows, d);
+    for (int64_t r = 0; r < rows; ++r, s += step, d += n)
+      for (int64_t k = 0; k < n; ++k) d[k] = runtime::F32ToBf16(s[k * si]);
   });
 }
 
@@ -158,14 +208,13 @@ void StridedScatter(const Shape& shape, const uint32_t* src, uint32_t* dst, cons
   }
   const int64_t n = shape.back(), di = ds.back();
   ForRowBlocks(shape, ds, [&](int64_t r0, int64_t r1, int64_t off) {
-    Strides idx = RowIndex(shape, r0);
-    for (int64_t row = r0; row < r1; ++row) {
+    ForRowRuns(shape, ds, r0, r1, off, [&](int64_t row, int64_t count, int64_t at, int64_t step) {
       const uint32_t* s = src + row * n;
-      uint32_t* d = dst + off;
-      if (di == 1) std::memcpy(d, s, n * 4);
-      else for (int64_t k = 0; k < n; ++k) d[k * di] = s[k];
-      NextRow(shape, ds, idx, off);
-    }
+      uint32_t* d = dst + at;
+      if (di == 1) return CopyRows(s, n, n, count, d, step);
+      for (int64_t r = 0; r < count; ++r, s += n, d += step)
+        for (int64_t k = 0; k < n; ++k) d[k * di] = s[k];
+    });
   });
 }
 
