@@ -608,6 +608,14 @@ Tensor concat(const std::vector<Tensor>& parts, int64_t axis, Loc loc) {
   });
 }
 
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal, Loc loc) {
+  if (!q.defined() || !k.defined() || !v.defined())
+    throw Error(Str(Where(loc), ": error: attention needs q, k and v"));
+  return q.model()->Record("attention", loc, [q, k, v, scale, causal](Lowering& L) {
+    return L.b->Emit(OpCode::kAttention, {L[q], L[k], L[v]}, {{"scale", scale}, {"causal", int64_t{causal}}});
+  });
+}
+
 Tensor Tensor::cast(DType to, Loc loc) const {
   Tensor x = *this;
   return m_->Record(Str("cast to ", ir::DTypeName(to)), loc, [x, to](Lowering& L) { return L.b->Convert(L[x], to); });

@@ -183,6 +183,12 @@ Tensor operator-(const Operand& a);
 
 // Joins tensors along `axis` (negative counts from the end); not the batch axis of batched tensors.
 Tensor concat(const std::vector<Tensor>& parts, int64_t axis, Loc loc = Loc::current());
+// Scaled dot-product attention as one op: per leading index of q, k, v (one shape [..., T, D]),
+// softmax(scale q k^T, masked above the diagonal when causal) v. The same values as the decomposed
+// form (matmul, scale, additive mask, softmax, matmul); the JIT runs it blockwise without the T x T
+// scores in memory, and its gradient is one op (the probabilities recomputed).
+Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal,
+                 Loc loc = Loc::current());
 
 // The shape numpy broadcasting gives two shapes (trailing alignment, 1 stretches); throws when incompatible.
 ir::Shape BroadcastShapes(const ir::Shape& a, const ir::Shape& b);

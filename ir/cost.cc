@@ -1,6 +1,7 @@
 // FLOP, parameter and activation-memory counting.
 #include "ir/cost.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <sstream>
 
@@ -45,6 +46,13 @@ int64_t InstrFlops(const Module& m, ValueId v) {
                          : in.op == OpCode::kAvgPoolGrad ? operand(0).elements()
                                                          : out;
       return window * dy;
+    }
+    case OpCode::kAttention:
+    case OpCode::kAttentionGrad: {  // per T x T block: 2 products forward; 5 backward (scores recomputed)
+      const Shape& q = operand(0).shape;
+      const int64_t t = q[q.size() - 2], heads = operand(0).elements() / std::max<int64_t>(1, t * q.back());
+      const int64_t product = 2 * heads * t * t * q.back();
+      return (in.op == OpCode::kAttention ? 2 : 5) * product + (in.op == OpCode::kAttention ? 4 : 6) * heads * t * t;
     }
     case OpCode::kScatterAdd:
       return operand(1).elements();

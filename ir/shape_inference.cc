@@ -376,6 +376,22 @@ TensorType InferType(OpCode op, const std::vector<TensorType>& in, const Attrs& 
       return {c.WindowDType(), x};
     }
 
+    case OpCode::kAttention:
+    case OpCode::kAttentionGrad: {  // (q, k, v[, dout]) [..., T, D] -> [..., T, D] | [3, ..., T, D]
+      c.Require(in[0].rank() >= 3, Str("q must have rank >= 3 ([..., T, D]), got ", in[0].ToString()));
+      c.RequireFloat(0);
+      for (size_t i = 0; i < in.size(); ++i) {
+        c.Require(in[i].dtype == in[0].dtype, "operand dtypes differ");
+        c.Require(in[i].shape == in[0].shape,
+                  Str("operand ", i, " ", in[i].ToString(), " must have q's shape ", in[0].ToString()));
+      }
+      c.Float("scale");
+      if (op == OpCode::kAttention) return in[0];
+      Shape out{3};
+      out.insert(out.end(), in[0].shape.begin(), in[0].shape.end());
+      return {in[0].dtype, out};
+    }
+
     case OpCode::kRandomUniform: {  // (step s32[], first_example s32[]) {seed, shape} -> f32[shape]
       for (size_t i = 0; i < 2; ++i)
         c.Require(in[i].dtype == DType::kS32 && in[i].rank() == 0,

@@ -78,6 +78,7 @@
 #include "ir/passes/elementwise_fuser.h"
 #include "ir/printer.h"
 #include "ir/shape_inference.h"
+#include "jit/attention.h"
 #include "jit/buffer_plan.h"
 #include "jit/channels_last.h"
 #include "jit/cpu_kernels.h"
@@ -222,6 +223,9 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
   bool bf16 = in.type.dtype == DType::kBF16;
   for (ValueId o : in.operands) bf16 |= m.type(o).dtype == DType::kBF16;
   if (bf16 && in.op == OpCode::kMatmul) return Lowering::kNative;  // widened, f32 sgemm, rounded (RunInstr)
+  if (bf16 && (in.op == OpCode::kAttention || in.op == OpCode::kAttentionGrad) && in.type.dtype == DType::kF32)
+    return Lowering::kNative;  // bf16 operands read in place (ReadBf16OperandsInPlace; by the dtypes: this runs
+                               // per step, and the attribute's name would allocate)
   if (in.op == OpCode::kTranspose && in.Has(kRoundsAttr)) return Lowering::kNative;  // RoundInTransposes
   if (bf16 && in.op != OpCode::kReshape && !ir::HasProperty(in.op, ir::kCollective)) return Lowering::kReference;
   switch (in.op) {
@@ -249,6 +253,8 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
     case OpCode::kAvgPool:
     case OpCode::kAvgPoolGrad:
     case OpCode::kScatterAdd:
+    case OpCode::kAttention:
+    case OpCode::kAttentionGrad:
     case OpCode::kRandomUniform: return Lowering::kNative;
     case OpCode::kDiv: return in.type.dtype == DType::kS32 ? Lowering::kNative : Lowering::kReference;
     default: return Lowering::kReference;
@@ -1668,6 +1674,22 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
         ScatterAdd<float>(idx, count, static_cast<const float*>(P(1)), rows, width, static_cast<float*>(out));
       else
         ScatterAdd<int32_t>(idx, count, static_cast<const int32_t*>(P(1)), rows, width, static_cast<int32_t*>(out));
+      return;
+    }
+    case OpCode::kAttention:
+    case OpCode::kAttentionGrad: {
+      const Shape& x = shape(0);
+      AttentionShape a;
+      a.t = x[x.size() - 2];
+      a.d = x.back();
+      a.heads = a.t * a.d == 0 ? 0 : m_.type(in.operands[0]).elements() / (a.t * a.d);
+      a.scale = static_cast<float>(in.GetFloat("scale"));
+      a.causal = in.GetInt("causal", 0) != 0;
+      a.bf16 = in.GetInt("bf16", 0) != 0;
+      a.bf16_operands = m_.type(in.operands[0]).dtype == DType::kBF16;  // ReadBf16OperandsInPlace (by the dtype:
+                                                                        // the attribute's name would allocate)
+      if (in.op == OpCode::kAttention) AttentionForward(a, P(0), P(1), P(2), static_cast<float*>(out));
+      else AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out));
       return;
     }
     case OpCode::kDiv:  // s32 (f32 division is fused)

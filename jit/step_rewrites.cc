@@ -31,11 +31,24 @@ bool Bf16Operands(const ir::Module& m, const ir::Instr& in) {
 // convert left with none is dropped; before, its loop still ran: 8 passes over [4096,512] per
 // transformer_lm step). Only CompiledStep sees this form: the
 // IR's matmul takes operands of its result's dtype.
+// An attention op with bf16=1 whose operands are all such roundings (its products take bf16 operands).
+bool Bf16AttentionOperands(const ir::Module& m, const ir::Instr& in) {
+  if ((in.op != OpCode::kAttention && in.op != OpCode::kAttentionGrad) || in.GetInt("bf16", 0) == 0 ||
+      in.type.dtype != DType::kF32)
+    return false;
+  for (ValueId o : in.operands) {
+    const ir::Instr& x = m.at(o);
+    if (x.op != OpCode::kConvert || x.type.dtype != DType::kF32 || m.type(x.operands[0]).dtype != DType::kBF16)
+      return false;
+  }
+  return true;
+}
+
 void ReadBf16OperandsInPlace(ir::Module& m) {
   bool changed = false;
   for (ValueId v = 0; v < m.size(); ++v) {
     ir::Instr& in = m.at(v);
-    if (!Bf16Operands(m, in)) continue;
+    if (!Bf16Operands(m, in) && !Bf16AttentionOperands(m, in)) continue;
     for (ValueId& o : in.operands) o = m.at(o).operands[0];
     in.attrs[kBf16OperandsAttr] = int64_t{1};
     changed = true;

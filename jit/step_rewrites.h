@@ -27,6 +27,7 @@ void RoundBeforeReshapes(ir::Module& m);
 // one pass writing 2 bytes an element instead of a transpose and a rounding loop (transformer_lm's
 // attention heads: 32 of each over [32,4,128,32] per step). The same bits.
 void RoundInTransposes(ir::Module& m);
+// The same for attention and attention_grad with bf16=1 (jit/attention.h takes bf16 operands).
 void ReadBf16OperandsInPlace(ir::Module& m);
 void MaskMaxPoolGradsByRelu(ir::Module& m);
 // Returns the number of masks rewritten.

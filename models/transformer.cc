@@ -58,18 +58,25 @@ dsl::Tensor CausalMask(dsl::Model& m, int64_t t) {
 }
 
 // Multi-head self-attention on x [B, T, D]: name.q/k/v/o dense(D) with bias; scores q k^T / sqrt(Dh)
-// per head (+ mask when given), softmax over the keys, dropout on the probabilities.
+// per head (+ mask when given), softmax over the keys, dropout on the probabilities; without dropout,
+// one attention op (causal: the causal mask as its attribute, `mask` unused).
 dsl::Tensor SelfAttention(const dsl::Tensor& x, const std::string& name, const TransformerConfig& c, int64_t batch,
-                          double p, const dsl::Tensor& mask) {
+                          double p, const dsl::Tensor& mask, bool causal) {
   const int64_t t = c.context, d = c.width, h = c.heads, dh = d / h;
   auto heads = [&](const dsl::Tensor& y) { return y.reshape_full({batch, t, h, dh}).transpose({0, 2, 1, 3}); };
   dsl::Tensor q = heads(x.dense(d, name + ".q"));
   dsl::Tensor k = heads(x.dense(d, name + ".k"));
   dsl::Tensor v = heads(x.dense(d, name + ".v"));
-  dsl::Tensor scores = q.matmul(k, false, true) * (1.0 / std::sqrt(static_cast<double>(dh)));  // [B, H, T, T]
-  if (mask.defined()) scores = scores + mask;
-  dsl::Tensor probs = scores.softmax(-1).dropout(p);
-  dsl::Tensor out = probs.matmul(v).transpose({0, 2, 1, 3}).reshape_full({batch, t, d});  // [B, T, D]
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dh));
+  dsl::Tensor heads_out;  // [B, H, T, Dh]
+  if (p == 0.0 && (causal || !mask.defined())) {
+    heads_out = dsl::attention(q, k, v, scale, causal);  // one op: the same values, no T x T tensors in memory
+  } else {
+    dsl::Tensor scores = q.matmul(k, false, true) * scale;  // [B, H, T, T]
+    if (mask.defined()) scores = scores + mask;
+    heads_out = scores.softmax(-1).dropout(p).matmul(v);
+  }
+  dsl::Tensor out = heads_out.transpose({0, 2, 1, 3}).reshape_full({batch, t, d});  // [B, T, D]
   return out.dense(d, name + ".o");
 }
 
@@ -126,7 +133,7 @@ dsl::Tensor DefineTransformerLm(dsl::Model& m, const ModelOptions& o) {
   const dsl::Tensor mask = CausalMask(m, c.context);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string n = "h" + std::to_string(i);
-    dsl::Tensor a = x + SelfAttention(x.layer_norm(n + ".ln1"), n, c, o.batch, p, mask).dropout(p);
+    dsl::Tensor a = x + SelfAttention(x.layer_norm(n + ".ln1"), n, c, o.batch, p, mask, true).dropout(p);
     dsl::Tensor mlp = a.layer_norm(n + ".ln2").dense(c.mlp_width, n + ".fc1").gelu().dense(c.width, n + ".fc2");
     x = a + mlp.dropout(p);
   }
@@ -155,7 +162,7 @@ dsl::Tensor DefineBert(dsl::Model& m, const ModelOptions& o) {
   x = x.layer_norm("emb_ln", kEps).dropout(p);
   for (int64_t i = 0; i < c.layers; ++i) {
     const std::string n = "h" + std::to_string(i);
-    dsl::Tensor a = (x + SelfAttention(x, n, c, o.batch, p, dsl::Tensor()).dropout(p)).layer_norm(n + ".ln1", kEps);
+    dsl::Tensor a = (x + SelfAttention(x, n, c, o.batch, p, dsl::Tensor(), false).dropout(p)).layer_norm(n + ".ln1", kEps);
     dsl::Tensor mlp = a.dense(c.mlp_width, n + ".fc1").gelu().dense(c.width, n + ".fc2");
     x = (a + mlp.dropout(p)).layer_norm(n + ".ln2", kEps);
   }

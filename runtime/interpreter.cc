@@ -288,6 +288,110 @@ Tensor Matmul(const Instr& in, const Tensor& a, const Tensor& b) {
   return out;
 }
 
+// ---- Attention: per leading index, the decomposed form's steps in order (scores, softmax, product) ----
+
+// One leading index's [T, D] blocks of q, k, v (and dout), and its T x T probabilities.
+struct AttentionBlock {
+  Index t, d;
+  float scale;
+  bool causal, bf16;
+  explicit AttentionBlock(const Instr& in)
+      : t(in.type.shape[in.type.rank() - 2]),
+        d(in.type.shape.back()),
+        scale(static_cast<float>(in.GetFloat("scale"))),
+        causal(in.GetInt("causal", 0) != 0),
+        bf16(in.GetInt("bf16", 0) != 0) {}
+  // Row i's dot products with the rows of y: x[i] . y[j] in double, rounded once.
+  float Dot(const float* x, const float* y) const {
+    double acc = 0;
+    for (Index l = 0; l < d; ++l) acc += double(x[l]) * double(y[l]);
+    return static_cast<float>(acc);
+  }
+  // p = softmax(scale q k^T, masked above the diagonal when causal): scores rounded from the product,
+  // times scale; the row max; exp(s - max) (a masked score gives 0); their sum in double rounded once;
+  // p = e * (1 / sum).
+  std::vector<float> Probabilities(const float* q, const float* k) const {
+    std::vector<float> p(t * t, 0.0f);
+    for (Index i = 0; i < t; ++i) {
+      const Index last = causal ? i : t - 1;
+      float* row = p.data() + i * t;
+      float m = -INFINITY;
+      for (Index j = 0; j <= last; ++j) {
+        row[j] = Dot(q + i * d, k + j * d) * scale;
+        m = row[j] > m || row[j] != row[j] ? row[j] : m;
+      }
+      double total = 0;
+      for (Index j = 0; j <= last; ++j) total += row[j] = std::exp(row[j] - m);
+      const float r = 1.0f / static_cast<float>(total);
+      for (Index j = 0; j <= last; ++j) row[j] *= r;
+    }
+    return p;
+  }
+  float Round(float x) const { return bf16 ? runtime::RoundToBf16(x) : x; }
+  // out[i] = sum over j of a[i, j] * y[j] (a: T x T, row i; y rows of D), in double, rounded once.
+  void Product(const float* a, const float* y, bool transpose_a, float* out) const {
+    for (Index i = 0; i < t; ++i)
+      for (Index l = 0; l < d; ++l) {
+        double acc = 0;
+        for (Index j = 0; j < t; ++j) acc += double(transpose_a ? a[j * t + i] : a[i * t + j]) * double(y[j * d + l]);
+        out[i * d + l] = static_cast<float>(acc);
+      }
+  }
+};
+
+// With bf16=1 the operands are products' operands: rounded to bf16 (a no-op on the mixed-precision
+// pass's rounded values).
+Tensor RoundedIf(bool bf16, const Tensor& x) {
+  Tensor y = x;
+  if (bf16)
+    for (float& e : y.f32) e = runtime::RoundToBf16(e);
+  return y;
+}
+
+Tensor Attention(const Instr& in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in) {
+  const AttentionBlock g(in);
+  const Tensor q = RoundedIf(g.bf16, q_in), k = RoundedIf(g.bf16, k_in), v = RoundedIf(g.bf16, v_in);
+  Tensor out(in.type);
+  const Index block = g.t * g.d, blocks = g.t * g.d == 0 ? 0 : in.type.elements() / block;
+  for (Index bt = 0; bt < blocks; ++bt) {
+    std::vector<float> p = g.Probabilities(q.f32.data() + bt * block, k.f32.data() + bt * block);
+    for (float& x : p) x = g.Round(x);
+    g.Product(p.data(), v.f32.data() + bt * block, false, out.f32.data() + bt * block);
+  }
+  return out;
+}
+
+// dP = dout v^T; dv = p^T dout (p rounded when bf16); ds = p (dP - rowsum(dP p)) * scale (rounded when
+// bf16); dq = ds k; dk = ds^T q. Stacked [dq, dk, dv].
+Tensor AttentionGrad(const Instr& in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
+                     const Tensor& dout_in) {
+  const AttentionBlock g(in);
+  const Tensor q = RoundedIf(g.bf16, q_in), k = RoundedIf(g.bf16, k_in), v = RoundedIf(g.bf16, v_in),
+               dout = RoundedIf(g.bf16, dout_in);
+  Tensor out(in.type);
+  const Index block = g.t * g.d, total = q.type.elements(), blocks = block == 0 ? 0 : total / block;
+  for (Index bt = 0; bt < blocks; ++bt) {
+    const Index at = bt * block;
+    const std::vector<float> p = g.Probabilities(q.f32.data() + at, k.f32.data() + at);
+    std::vector<float> pr(p), ds(g.t * g.t);
+    for (float& x : pr) x = g.Round(x);
+    for (Index i = 0; i < g.t; ++i) {
+      std::vector<float> dp(g.t);
+      double dot = 0;
+      for (Index j = 0; j < g.t; ++j) {
+        dp[j] = g.Dot(dout.f32.data() + at + i * g.d, v.f32.data() + at + j * g.d);
+        dot += double(dp[j]) * double(p[i * g.t + j]);
+      }
+      const float rowdot = static_cast<float>(dot);
+      for (Index j = 0; j < g.t; ++j) ds[i * g.t + j] = g.Round(p[i * g.t + j] * (dp[j] - rowdot) * g.scale);
+    }
+    g.Product(ds.data(), k.f32.data() + at, false, out.f32.data() + at);                // dq
+    g.Product(ds.data(), q.f32.data() + at, true, out.f32.data() + total + at);         // dk
+    g.Product(pr.data(), dout.f32.data() + at, true, out.f32.data() + 2 * total + at);  // dv
+  }
+  return out;
+}
+
 struct Conv {
   Index sh, sw, ph, pw;
   explicit Conv(const Instr& in) {
@@ -705,6 +809,8 @@ Tensor Evaluate(const Context& ctx, const Instr& in, const Operands& x) {
     case OpCode::kMaxPoolGrad: return MaxPoolGrad(in, *F32Only(x)[0], *x[1]);
     case OpCode::kAvgPool: return AvgPool(in, *F32Only(x)[0]);
     case OpCode::kAvgPoolGrad: return AvgPoolGrad(in, *F32Only(x)[0]);
+    case OpCode::kAttention: return Attention(in, *x[0], *x[1], *x[2]);
+    case OpCode::kAttentionGrad: return AttentionGrad(in, *x[0], *x[1], *x[2], *x[3]);
 
     case OpCode::kRandomUniform: return RandomUniform(in, *x[0], *x[1]);
 

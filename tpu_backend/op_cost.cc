@@ -45,8 +45,9 @@ OpCost CostOfOp(const ir::Module& m, ir::ValueId v, const HardwareTable& hw, Pre
   if (ir::HasProperty(in.op, ir::kLeaf) || ir::HasProperty(in.op, ir::kCollective) || in.op == OpCode::kReshape)
     return c;
   c.flops = ir::InstrFlops(m, v);
+  const bool attention = in.op == OpCode::kAttention || in.op == OpCode::kAttentionGrad;
   const bool mxu = in.op == OpCode::kMatmul || in.op == OpCode::kConv2d || in.op == OpCode::kConv2dInputGrad ||
-                   in.op == OpCode::kConv2dFilterGrad;
+                   in.op == OpCode::kConv2dFilterGrad || attention;
   c.matrix_unit = mxu;
   const int64_t input_bytes_per_element = mxu && precision == Precision::kBf16 ? 2 : 4;
   const int64_t group = fusion ? fusion->group[v] : -1;
@@ -72,7 +73,10 @@ OpCost CostOfOp(const ir::Module& m, ir::ValueId v, const HardwareTable& hw, Pre
   if (mxu) {
     rate = precision == Precision::kBf16 ? hw.PeakFlopsPerCore() : hw.PeakF32FlopsPerCore();
     int64_t k = 0, n = 0;
-    if (in.op == OpCode::kMatmul) {
+    if (attention) {  // its products: [T, D] x [D, T] and [T, T] x [T, D] per head; the narrower counts
+      const ir::Shape& q = m.type(in.operands[0]).shape;
+      k = q.back(), n = q.back();
+    } else if (in.op == OpCode::kMatmul) {
       const ir::Shape& a = m.type(in.operands[0]).shape;
       const size_t r = a.size();
       k = in.GetInt("transpose_a", 0) ? a[r - 2] : a[r - 1];

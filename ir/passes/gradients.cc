@@ -308,6 +308,22 @@ std::vector<ValueId> GradientRule(Builder& b, ValueId instr, ValueId dz) {
     case OpCode::kAvgPoolGrad:
       return {b.Emit(OpCode::kAvgPool, {dz}, Pick(in, {"window", "stride"}))};
 
+    // z = attention(q, k, v) / (dq, dk, dv) = attention_grad(q, k, v, dz), stacked on a new first axis
+    case OpCode::kAttention: {
+      const ValueId g = b.Emit(OpCode::kAttentionGrad, {o[0], o[1], o[2], dz}, Pick(in, {"scale", "causal", "bf16"}));
+      const Shape x = b.shape(o[0]);
+      std::vector<ValueId> parts;
+      for (int64_t i = 0; i < 3; ++i) {
+        IntList start(x.size() + 1, 0), limit{i + 1};
+        start[0] = i;
+        limit.insert(limit.end(), x.begin(), x.end());
+        parts.push_back(b.Reshape(b.Slice(g, start, limit), x));
+      }
+      return parts;
+    }
+    case OpCode::kAttentionGrad:
+      throw Error(Str("no gradient of attention_grad (second derivatives of attention are not supported), at %", instr));
+
     // z = one_hot(labels) / none (integer operand)
     case OpCode::kOneHot:
       return none;

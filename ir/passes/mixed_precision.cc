@@ -18,7 +18,7 @@ namespace {
 
 bool IsContraction(OpCode op) {
   return op == OpCode::kMatmul || op == OpCode::kConv2d || op == OpCode::kConv2dInputGrad ||
-         op == OpCode::kConv2dFilterGrad;
+         op == OpCode::kConv2dFilterGrad || op == OpCode::kAttention || op == OpCode::kAttentionGrad;
 }
 
 // v = convert(convert(x, bf16), f32): already a bf16 value.
@@ -37,6 +37,11 @@ bool MixedPrecision::Run(Module& m) {
   const int n = m.size();
   for (ValueId v = 0; v < n; ++v) {
     if (!IsContraction(m.at(v).op)) continue;
+    // Attention's products inside the op (probabilities and the scores' gradient) round too.
+    if ((m.at(v).op == OpCode::kAttention || m.at(v).op == OpCode::kAttentionGrad) && m.at(v).GetInt("bf16", 0) == 0) {
+      m.at(v).attrs["bf16"] = int64_t{1};
+      changed = true;
+    }
     for (size_t i = 0; i < m.at(v).operands.size(); ++i) {
       const ValueId x = m.at(v).operands[i];
       if (m.type(x).dtype != DType::kF32 || IsRounded(m, x)) continue;

@@ -93,6 +93,12 @@ ValueId BuildOp(Builder& b, OpCode op) {
       return b.Emit(op, {In(b, image), In(b, F32({2, 3, 4, 4}))},
                     {{"window", IntList{2, 2}}, {"stride", IntList{2, 2}}});
     case OpCode::kAvgPool: return b.Emit(op, {In(b, image)}, {{"window", IntList{3, 3}}, {"stride", IntList{1, 1}}});
+    case OpCode::kAttention:
+      return b.Emit(op, {In(b, F32({2, 2, 4, 3})), In(b, F32({2, 2, 4, 3})), In(b, F32({2, 2, 4, 3}))},
+                    {{"scale", 0.5}, {"causal", int64_t{1}}});
+    case OpCode::kAttentionGrad:
+      return b.Emit(op, {In(b, F32({2, 4, 3})), In(b, F32({2, 4, 3})), In(b, F32({2, 4, 3})), In(b, F32({2, 4, 3}))},
+                    {{"scale", 0.25}, {"bf16", int64_t{1}}});
     case OpCode::kAvgPoolGrad:
       return b.Emit(op, {In(b, F32({2, 3, 4, 4}))}, {{"window", IntList{2, 2}}, {"input_shape", IntList{2, 3, 8, 8}}});
     case OpCode::kRandomUniform:

@@ -543,6 +543,43 @@ std::vector<Case> CasesFor(OpCode op) {
       refused({F({2, 3, 4, 3})}, {{"window", IntList{2, 2}}, {"input_shape", IntList{2, 3, 8, 6}}});
       break;
     }
+    case OpCode::kAttention:
+    case OpCode::kAttentionGrad: {
+      // The interpreter's products sum in double in index order and its exp is libm's; the JIT's sum in
+      // f32 (oneDNN) and its exp is within 1 ulp: relative and absolute allowances (inputs of size ~1,
+      // outputs of size ~1). bf16: grid inputs (bf16 values) and the probabilities rounded on both
+      // sides, where a rounding may go the other way (2^-8).
+      const int n = op == OpCode::kAttention ? 3 : 4;
+      for (const auto& [shape, causal] : {std::pair{ir::Shape{2, 3, 16, 8}, 0}, std::pair{ir::Shape{2, 3, 16, 8}, 1},
+                                          std::pair{ir::Shape{1, 8, 128, 32}, 1}, std::pair{ir::Shape{3, 5, 24}, 0}})
+        for (int bf16 = 0; bf16 < 2; ++bf16) {
+          const Tolerance tol{Tolerance::Kind::kUlps, bf16 ? 3e-2 : 1e-4, bf16 ? 3e-3 : 1e-4, 0};
+          CaseBuilder a(name + " " + ir::ShapeToString(shape) + (causal ? " causal" : "") + (bf16 ? " bf16" : ""), tol);
+          std::vector<ir::ValueId> xs;
+          for (int i = 0; i < n; ++i) xs.push_back(a.In(F(shape), bf16 ? Dist::kGrid : Dist::kUniform));
+          const double scale = 1.0 / std::sqrt(static_cast<double>(shape.back()));
+          out.push_back(a.Out(a.b.Emit(op, xs, {{"scale", scale}, {"causal", int64_t{causal}}, {"bf16", int64_t{bf16}}})));
+        }
+      {  // the mixed-precision pass's form: operands convert(convert(x, bf16), f32), which the JIT reads as
+         // bf16 in place (ReadBf16OperandsInPlace)
+        const ir::Shape shape{2, 4, 32, 16};
+        const Tolerance tol{Tolerance::Kind::kUlps, 3e-2, 3e-3, 0};
+        CaseBuilder a(name + " " + ir::ShapeToString(shape) + " causal, bf16 operands", tol);
+        std::vector<ir::ValueId> xs;
+        for (int i = 0; i < n; ++i)
+          xs.push_back(a.b.Convert(a.b.Convert(a.In(F(shape), Dist::kUniform), DType::kBF16), DType::kF32));
+        const ir::ValueId y =
+            a.b.Emit(op, xs, {{"scale", 0.25}, {"causal", int64_t{1}}, {"bf16", int64_t{1}}});
+        ir::Module probe = a.b.module();
+        probe.outputs.push_back({"out", y});
+        jit::ReadBf16OperandsInPlace(probe);  // renumbers (the widening converts are dropped)
+        bool in_place = false;
+        for (ir::ValueId v = 0; v < probe.size(); ++v) in_place |= probe.at(v).op == op && probe.at(v).Has(jit::kBf16OperandsAttr);
+        SS_CHECK(in_place, "the case no longer covers attention's bf16 operands read in place");
+        out.push_back(a.Out(y));
+      }
+      break;
+    }
     case OpCode::kOneHot: {
       CaseBuilder a(name);
       auto l = a.InTensor(Tensor::S32({6}, {0, 3, 9, 2, 2, 7}));

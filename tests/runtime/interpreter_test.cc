@@ -345,6 +345,22 @@ const std::map<OpCode, std::function<void()>>& Examples() {
                 F({1, 1, 2, 3}, {1, 3, 2, 1, 3, 2}));
        }},
 
+      // q = k = [[1], [0]], v = [[2], [4]], causal, scale 1: query 0 sees key 0 only (p = [1, 0]); query 1
+      // scores 0 and 0 (p = [1/2, 1/2]). out = [2, 3]. With dout = [1, 1]: dv = p^T dout = [1.5, 0.5];
+      // dp = dout v^T = [[2, 4], [2, 4]], rowsums of dp p: 2 and 3, ds = p (dp - rowsum) = [[0, 0],
+      // [-0.5, 0.5]]; dq = ds k = [0, -0.5], dk = ds^T q = [0, 0].
+      {OpCode::kAttention,
+       [] {
+         const Tensor q = F({1, 2, 1}, {1, 0}), v = F({1, 2, 1}, {2, 4});
+         Expect(Apply(OpCode::kAttention, {q, q, v}, {{"scale", 1.0}, {"causal", int64_t{1}}}), F({1, 2, 1}, {2, 3}));
+       }},
+      {OpCode::kAttentionGrad,
+       [] {
+         const Tensor q = F({1, 2, 1}, {1, 0}), v = F({1, 2, 1}, {2, 4}), dout = F({1, 2, 1}, {1, 1});
+         Expect(Apply(OpCode::kAttentionGrad, {q, q, v, dout}, {{"scale", 1.0}, {"causal", int64_t{1}}}),
+                F({3, 1, 2, 1}, {0, -0.5f, 0, 0, 1.5f, 0.5f}));
+       }},
+
       {OpCode::kOneHot,
        [] {
          Expect(Apply(OpCode::kOneHot, {S({2}, {2, 0})}, {{"depth", int64_t{3}}}), F({2, 3}, {0, 0, 1, 1, 0, 0}));

@@ -188,6 +188,15 @@ Case AvgPoolGradCase(Shape x, IntList k, IntList s) {
           }};
 }
 
+// attention(q, k, v) on [2, t, d] weights; causal or not.
+Case AttentionCase(int64_t t, int64_t d, bool causal) {
+  const Shape x{2, t, d};
+  return {OpCode::kAttention, Str("attention ", ShapeToString(x), causal ? " causal" : ""), [=](Ctx& c) {
+            return c.b.Emit(OpCode::kAttention, {c.Weight("q", x), c.Weight("k", x), c.Weight("v", x)},
+                            {{"scale", 0.5}, {"causal", int64_t{causal}}});
+          }};
+}
+
 std::vector<Case> Cases() {
   const Init any = Uniform(-1, 1), positive = Uniform(0.5f, 2.0f), nonzero = AwayFromZero(0.5f, 2.0f);
   std::vector<Case> cases = {
@@ -271,6 +280,8 @@ std::vector<Case> Cases() {
       ConvInputGrad({1, 2, 5, 5}, {3, 2, 3, 3}, {1, 1}, {0, 0}),
       ConvInputGrad({1, 2, 6, 5}, {3, 2, 3, 3}, {2, 2}, {1, 1}),
       ConvInputGrad({2, 2, 6, 6}, {2, 2, 3, 3}, {2, 1}, {0, 1}),
+      AttentionCase(3, 2, false),
+      AttentionCase(4, 3, true),
       ConvFilterGrad({1, 2, 5, 5}, {3, 2, 3, 3}, {1, 1}, {0, 0}),
       ConvFilterGrad({1, 2, 6, 5}, {3, 2, 3, 3}, {2, 2}, {1, 1}),
       ConvFilterGrad({2, 2, 6, 6}, {2, 2, 3, 3}, {2, 1}, {0, 1}),

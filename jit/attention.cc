@@ -1,0 +1,409 @@
+// Attention blockwise (see attention.h): per group of heads (one TBB task), the products through oneDNN
+// batched matmuls on the task's slot scratch, the softmax and its gradient in loops between them.
+#include "jit/attention.h"
+
+#include <immintrin.h>
+#include <tbb/info.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "ir/error.h"
+#include "jit/dnnl_kernels.h"
+#include "jit/dnnl_runtime.h"
+#include "jit/vector_math.h"
+
+namespace shardstep::jit {
+
+namespace {
+
+// Heads per task: the largest divisor of the head count whose T x T block of all its heads is at most
+// 64K floats (256 KB), so a task's scores and their gradient stay in a core's L2.
+int64_t GroupOf(const AttentionShape& s) {
+  const int64_t cap = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, s.t * s.t));
+  for (int64_t g = std::min(cap, s.heads); g > 1; --g)
+    if (s.heads % g == 0) return g;
+  return 1;
+}
+
+// One batched product C[g] = op(A[g]) op(B[g]) over g dense [rows, cols] blocks (f32 or bf16 operands,
+// f32 result), built once per shape and kept for the process; user scratchpad (one per thread).
+struct Product {
+  dnnl::memory::desc a, b, c, scratch_md;
+  dnnl::matmul prim;
+  size_t scratch = 0;
+};
+
+const Product& ProductFor(bool bf16, bool ta, bool tb, int64_t g, int64_t m, int64_t n, int64_t k) {
+  using dnnl::memory;
+  static std::mutex mu;
+  static std::map<std::array<int64_t, 7>, std::unique_ptr<Product>> cache;
+  const std::array<int64_t, 7> key{bf16, ta, tb, g, m, n, k};
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return *it->second;
+  auto p = std::make_unique<Product>();
+  const memory::data_type in = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+  // A stored [m, k] (or [k, m] when transposed), B [k, n] (or [n, k]), C [m, n]; blocks dense.
+  p->a = memory::desc({g, m, k}, in, ta ? memory::dims{m * k, 1, m} : memory::dims{m * k, k, 1});
+  p->b = memory::desc({g, k, n}, in, tb ? memory::dims{k * n, 1, k} : memory::dims{k * n, n, 1});
+  p->c = memory::desc({g, m, n}, memory::data_type::f32, memory::dims{m * n, n, 1});
+  try {
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p->a, p->b, p->c), attr, DnnlEngine());
+    p->prim = dnnl::matmul(pd);
+    p->scratch = pd.scratchpad_desc().get_size();
+    p->scratch_md = memory::desc({static_cast<int64_t>(std::max<size_t>(p->scratch, 1))}, memory::data_type::u8,
+                                 memory::format_tag::a);
+  } catch (const dnnl::error& e) {
+    throw Error(Str("oneDNN refused attention's ", g, " x ", m, "x", n, "x", k, " product: ", e.what()));
+  }
+  return *cache.emplace(key, std::move(p)).first->second;
+}
+
+// A product's memory objects for one TBB thread slot (bound once, re-pointed per call).
+struct Mems {
+  BoundDnnlMem a, b, c, scratch;
+};
+
+// Runs product p on the calling worker (one OpenMP thread) with its slot's memory objects and scratchpad.
+void Run(const Product& p, Mems& mm, char* pad, const void* a, const void* b, float* c) {
+  thread_local const bool single = (SetOmpThreads(1), true);
+  (void)single;
+  dnnl_exec_arg_t args[] = {{DNNL_ARG_SRC, mm.a.Bind(p.a, const_cast<void*>(a))},
+                            {DNNL_ARG_WEIGHTS, mm.b.Bind(p.b, const_cast<void*>(b))},
+                            {DNNL_ARG_DST, mm.c.Bind(p.c, c)},
+                            {DNNL_ARG_SCRATCHPAD, p.scratch > 0 ? mm.scratch.Bind(p.scratch_md, pad) : nullptr}};
+  DnnlExecute(p.prim.get(), p.scratch > 0 ? 4 : 3, args, "attention matmul");
+}
+
+// Round to nearest even (NaN quieted), as runtime::F32ToBf16 without its branch.
+inline uint16_t ToBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x0040u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+inline float Bits(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+
+// jit/vector_math.cc EmitExp on one f32: the same operations in the same order (the same bits).
+template <typename = void>
+[[gnu::always_inline]] inline float ExpBody(float x) {
+  const ExpCoefficients& c = kExpCoefficients;
+  const bool underflow = x <= -104.0f;
+  float y = x > -104.0f ? x : -104.0f;  // NaN -> -104 (patched at the end)
+  y = y < 104.0f ? y : 104.0f;
+  const float xc = underflow ? 0.0f : y;
+  const float t = xc * 1.44269504088896341f;
+  const float kf = (t + 12582912.0f) - 12582912.0f;  // rint for |t| < 2^22, as llvm.rint in the default mode
+  const int32_t k = static_cast<int32_t>(kf);
+  float r = std::fma(kf, -0.693145751953125f, xc);
+  r = std::fma(kf, -1.428606765330187045e-06f, r);
+  float p = c[0];
+  for (size_t i = 1; i < c.size(); ++i) p = std::fma(p, r, c[i]);
+  const float u = 1.0f + std::fma(r * r, p, r);
+  const int32_t h = k >> 1;
+  const float e = (u * Bits(static_cast<uint32_t>(h + 127) << 23)) * Bits(static_cast<uint32_t>(k - h + 127) << 23);
+  return x != x ? x + x : underflow ? 0.0f : e;
+}
+
+// The scores are held transposed, st[j, i] = score of query i against key j ([keys, queries] per head),
+// so the softmax's reductions over the keys run down the columns: 16 queries at a time in the lanes of a
+// vector, each lane's sum in key order as the interpreter's, and no horizontal reductions per row.
+// A causal block of 16 queries stops at its last query's key (the rest of its column is 0).
+
+// Generic form (any t): the same operations per element, one query at a time.
+void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool causal) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = st + h * t * t;
+    for (int64_t i = 0; i < t; ++i) {
+      const int64_t n = causal ? i + 1 : t;
+      float m = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) {
+        float& v = x[j * t + i];
+        v *= scale;
+        m = v > m ? v : m;  // a NaN is skipped: its exp makes the sum, so every p of the query, NaN
+      }
+      double total = 0;
+      for (int64_t j = 0; j < n; ++j) total += x[j * t + i] = ExpBody(x[j * t + i] - m);
+      const float r = 1.0f / static_cast<float>(total);
+      for (int64_t j = 0; j < t; ++j) x[j * t + i] = j < n ? x[j * t + i] * r : 0.0f;
+    }
+  }
+}
+// dst[j, i] = pt[j, i] (dst[j, i] - sum over j of dst[j, i] pt[j, i]) * scale, dst holding dp^T.
+void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t t, float scale) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* p = pt + h * t * t;
+    float* g = dst + h * t * t;
+    for (int64_t i = 0; i < t; ++i) {
+      double dot = 0;
+      for (int64_t j = 0; j < t; ++j) dot += double(g[j * t + i]) * double(p[j * t + i]);
+      const float rowdot = static_cast<float>(dot);
+      for (int64_t j = 0; j < t; ++j) g[j * t + i] = p[j * t + i] * (g[j * t + i] - rowdot) * scale;
+    }
+  }
+}
+
+// GCC 12's AVX-512 intrinsics pass _mm512_undefined_*() as the unused merge operand, which it then
+// reports as maybe uninitialized once inlined here: a false positive, silenced for these functions only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define SS_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+// ExpBody on 16 lanes.
+SS_AVX512 inline __m512 Exp16(__m512 x) {
+  const ExpCoefficients& c = kExpCoefficients;
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-104.0f), _CMP_LE_OQ);
+  __m512 y = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // x > -104 ? x : -104 (NaN -> -104)
+  y = _mm512_min_ps(y, _mm512_set1_ps(104.0f));            // y < 104 ? y : 104
+  const __m512 xc = _mm512_mask_mov_ps(y, underflow, _mm512_setzero_ps());
+  const __m512 kf = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i k = _mm512_cvtps_epi32(kf);
+  __m512 r = _mm512_fmadd_ps(kf, _mm512_set1_ps(-0.693145751953125f), xc);
+  r = _mm512_fmadd_ps(kf, _mm512_set1_ps(-1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (size_t i = 1; i < c.size(); ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c[i]));
+  const __m512 u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(r, r), p, r));
+  const __m512i h = _mm512_srai_epi32(k, 1), bias = _mm512_set1_epi32(127);
+  const __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(h, bias), 23));
+  const __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(k, h), bias), 23));
+  __m512 e = _mm512_mul_ps(_mm512_mul_ps(u, a), b);
+  e = _mm512_mask_mov_ps(e, underflow, _mm512_setzero_ps());
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  return _mm512_mask_add_ps(e, nan, x, x);
+}
+SS_AVX512 inline __m512d Lo(__m512 x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+SS_AVX512 inline __m512d Hi(__m512 x) {
+  return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+// Two vectors of 8 doubles (lanes 0-7, 8-15) rounded to one of 16 floats.
+SS_AVX512 inline __m512 ToFloats(__m512d lo, __m512d hi) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
+}
+
+// The lanes (queries) that see key j.
+SS_AVX512 inline __mmask16 Keep(bool causal, __m512i query, int64_t j) {
+  return causal ? _mm512_cmpge_epi32_mask(query, _mm512_set1_epi32(static_cast<int32_t>(j))) : __mmask16(0xffff);
+}
+
+SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal) {
+  const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = st + h * t * t;
+    for (int64_t i0 = 0; i0 < t; i0 += 16) {
+      const int64_t keys = causal ? std::min(t, i0 + 16) : t;
+      const __m512i query = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i0)));
+      __m512 m = ninf;
+      for (int64_t j = 0; j < keys; ++j) {
+        float* c = x + j * t + i0;
+        const __m512 v = _mm512_mask_mul_ps(ninf, Keep(causal, query, j), _mm512_loadu_ps(c), vscale);
+        _mm512_storeu_ps(c, v);
+        m = _mm512_max_ps(v, m);  // v > m ? v : m (a NaN is skipped, as in the generic form)
+      }
+      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+      for (int64_t j = 0; j < keys; ++j) {
+        float* c = x + j * t + i0;
+        const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(c), m));
+        _mm512_storeu_ps(c, e);
+        lo = _mm512_add_pd(lo, Lo(e));
+        hi = _mm512_add_pd(hi, Hi(e));
+      }
+      const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), ToFloats(lo, hi));
+      for (int64_t j = 0; j < keys; ++j) {
+        float* c = x + j * t + i0;
+        _mm512_storeu_ps(c, _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r));
+      }
+      for (int64_t j = keys; j < t; ++j) _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());
+    }
+  }
+}
+SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, int64_t t, float scale) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* p = pt + h * t * t;
+    float* g = dst + h * t * t;
+    for (int64_t i0 = 0; i0 < t; i0 += 16) {
+      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+      for (int64_t j = 0; j < t; ++j) {
+        const __m512 a = _mm512_loadu_ps(g + j * t + i0), b = _mm512_loadu_ps(p + j * t + i0);
+        lo = _mm512_fmadd_pd(Lo(a), Lo(b), lo);  // the product of two floats is exact in double
+        hi = _mm512_fmadd_pd(Hi(a), Hi(b), hi);
+      }
+      const __m512 rowdot = ToFloats(lo, hi);
+      for (int64_t j = 0; j < t; ++j) {
+        float* c = g + j * t + i0;
+        const __m512 pv = _mm512_loadu_ps(p + j * t + i0);
+        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(c), rowdot)), vscale));
+      }
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
+template <typename = void>
+[[gnu::always_inline]] inline void RoundBody(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = ToBf16(x[i]);
+}
+__attribute__((target("avx512f,avx512bw,fma"))) void RoundAvx512(const float* x, int64_t n, uint16_t* y) {
+  RoundBody(x, n, y);
+}
+bool Avx512() {
+  static const bool on = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
+  return on;
+}
+void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal) {
+  if (Avx512() && t % 16 == 0) return SoftmaxColumns16(st, heads, t, scale, causal);
+  SoftmaxColumnsBase(st, heads, t, scale, causal);
+}
+void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale) {
+  if (Avx512() && t % 16 == 0) return SoftmaxGradColumns16(pt, dst, heads, t, scale);
+  SoftmaxGradColumnsBase(pt, dst, heads, t, scale);
+}
+void Round(const float* x, int64_t n, uint16_t* y) { Avx512() ? RoundAvx512(x, n, y) : RoundBody(x, n, y); }
+
+// The three product forms a group runs: kScoresT (a b^T: s^T = k q^T, dp^T = v dout^T), kTransA (a^T b:
+// out = p v, dq = ds k, from the stored transposes), kPlain (a b: dv = p^T dout, dk = ds^T q).
+enum ProductKind { kScoresT, kTransA, kPlain, kKinds };
+
+// One TBB thread slot's scratch and memory objects.
+struct Slot {
+  std::vector<float> s, dp;                        // p^T and dp^T / ds^T of the group, f32
+  std::vector<uint16_t> q, k, v, dout, p, ds;      // bf16 copies
+  std::array<Mems, kKinds> mems;
+  std::vector<char> pad;                           // oneDNN scratchpad (64-byte aligned within)
+  char* Pad() { return pad.data() + (64 - reinterpret_cast<uintptr_t>(pad.data()) % 64) % 64; }
+};
+
+// The calling (replica) thread's products and per-slot state for one shape, all made at its first call
+// (a step after the first allocates nothing; a worker's first task finds its slot ready).
+struct Plan {
+  std::array<const Product*, kKinds> product{};
+  std::vector<Slot> slots;
+  int64_t g = 1;
+  Slot& ForThisThread() {
+    const int index = std::max(0, tbb::this_task_arena::current_thread_index());
+    SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond attention's ", slots.size());
+    return slots[index];
+  }
+};
+
+Plan& PlanFor(const AttentionShape& s) {
+  thread_local std::map<std::array<int64_t, 5>, Plan> plans;
+  const std::array<int64_t, 5> key{s.heads, s.t, s.d, s.bf16, s.bf16_operands};
+  auto [it, fresh] = plans.try_emplace(key);
+  Plan& plan = it->second;
+  if (!fresh) return plan;
+  const int64_t g = plan.g = GroupOf(s), tt = s.t * s.t, n = g * s.t * s.d;
+  plan.product[kScoresT] = &ProductFor(s.bf16, false, true, g, s.t, s.t, s.d);
+  plan.product[kTransA] = &ProductFor(s.bf16, true, false, g, s.t, s.d, s.t);
+  plan.product[kPlain] = &ProductFor(s.bf16, false, false, g, s.t, s.d, s.t);
+  size_t scratch = 0;
+  for (const Product* p : plan.product) scratch = std::max(scratch, p->scratch);
+  plan.slots.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
+  for (Slot& slot : plan.slots) {
+    slot.s.resize(g * tt);
+    slot.dp.resize(g * tt);
+    if (s.bf16) {
+      slot.p.resize(g * tt);
+      slot.ds.resize(g * tt);
+      if (!s.bf16_operands)
+        for (auto* v : {&slot.q, &slot.k, &slot.v, &slot.dout}) v->resize(n);
+    }
+    slot.pad.resize(scratch + 64);
+    for (int kind = 0; kind < kKinds; ++kind) {  // bound now: a later Bind only re-points
+      const Product& p = *plan.product[kind];
+      slot.mems[kind].a.Bind(p.a, slot.s.data());
+      slot.mems[kind].b.Bind(p.b, slot.dp.data());
+      slot.mems[kind].c.Bind(p.c, slot.s.data());
+      if (p.scratch > 0) slot.mems[kind].scratch.Bind(p.scratch_md, slot.Pad());
+    }
+  }
+  return plan;
+}
+
+void Run(Slot& slot, const Plan& plan, ProductKind kind, const void* a, const void* b, float* c) {
+  Run(*plan.product[kind], slot.mems[kind], slot.Pad(), a, b, c);
+}
+
+// Elements [at, at + n) of an operand as the products take it: in place (f32, or bf16 stored as such), or
+// rounded to the slot's bf16 copy.
+const void* Operand(const AttentionShape& s, const void* x, int64_t at, int64_t n, std::vector<uint16_t>& copy) {
+  if (s.bf16_operands) return static_cast<const uint16_t*>(x) + at;
+  const float* f = static_cast<const float*>(x) + at;
+  if (!s.bf16) return f;
+  Round(f, n, copy.data());
+  return copy.data();
+}
+
+// p^T (or ds^T) as the products take it: f32 in place, or rounded to bf16.
+const void* ProductOperand(const AttentionShape& s, const float* x, int64_t n, std::vector<uint16_t>& copy) {
+  if (!s.bf16) return x;
+  Round(x, n, copy.data());
+  return copy.data();
+}
+
+// The group's probabilities transposed, p^T [g, keys, queries] (f32, in slot.s): s^T = k q^T, softmax down
+// the columns.
+const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot, const void* q, const void* k) {
+  Run(slot, plan, kScoresT, k, q, slot.s.data());
+  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal);
+  return slot.s.data();
+}
+
+}  // namespace
+
+void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, float* out) {
+  if (s.heads == 0 || s.t == 0 || s.d == 0) return;
+  Plan& plan = PlanFor(s);
+  const int64_t g = plan.g, n = g * s.t * s.d, tt = s.t * s.t;
+  tbb::parallel_for(int64_t{0}, s.heads / g, [&](int64_t task) {
+    Slot& slot = plan.ForThisThread();
+    const int64_t at = task * n;
+    const void* qg = Operand(s, q, at, n, slot.q);
+    const void* kg = Operand(s, k, at, n, slot.k);
+    const void* vg = Operand(s, v, at, n, slot.v);
+    const void* pt = ProductOperand(s, Probabilities(s, plan, slot, qg, kg), g * tt, slot.p);
+    Run(slot, plan, kTransA, pt, vg, out + at);  // out = p v
+  });
+}
+
+void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
+                       float* out) {
+  if (s.heads == 0 || s.t == 0 || s.d == 0) return;
+  Plan& plan = PlanFor(s);
+  const int64_t g = plan.g, n = g * s.t * s.d, tt = s.t * s.t, total = s.heads * s.t * s.d;
+  tbb::parallel_for(int64_t{0}, s.heads / g, [&](int64_t task) {
+    Slot& slot = plan.ForThisThread();
+    const int64_t at = task * n;
+    const void* qg = Operand(s, q, at, n, slot.q);
+    const void* kg = Operand(s, k, at, n, slot.k);
+    const void* vg = Operand(s, v, at, n, slot.v);
+    const void* dg = Operand(s, dout, at, n, slot.dout);
+    const float* pt = Probabilities(s, plan, slot, qg, kg);
+    Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, out + 2 * total + at);  // dv = p^T dout
+    float* dst = slot.dp.data();
+    Run(slot, plan, kScoresT, vg, dg, dst);         // dp^T = v dout^T
+    SoftmaxGradColumns(pt, dst, g, s.t, s.scale);  // ds^T
+    const void* ds = ProductOperand(s, dst, g * tt, slot.ds);
+    Run(slot, plan, kTransA, ds, kg, out + at);          // dq = ds k
+    Run(slot, plan, kPlain, ds, qg, out + total + at);  // dk = ds^T q
+  });
+}
+
+}  // namespace shardstep::jit

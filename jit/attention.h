@@ -1,0 +1,31 @@
+// The attention and attention_grad ops on the CPU (ir/ops.def): blockwise over groups of heads, so a
+// group's T x T scores, probabilities and their gradients stay in cache instead of being written to
+// memory and read back by the next pass (the decomposed form's softmax loops and products read and wrote
+// eight [B, H, T, T] tensors a layer). The products are oneDNN batched matmuls (f32, or bf16 x bf16 ->
+// f32 when the op's bf16 attribute is set), the softmax plain loops compiled for AVX-512 where the CPU
+// has it; the values are the reference interpreter's definition (runtime/interpreter.cc Attention) up to
+// the order of the products' sums and the exp (within 1 ulp of libm, jit/vector_math.cc's algorithm).
+#pragma once
+
+#include <cstdint>
+
+namespace shardstep::jit {
+
+struct AttentionShape {
+  int64_t heads = 0;  // the leading elements: independent [t, d] blocks of q, k, v
+  int64_t t = 0, d = 0;
+  float scale = 1;
+  bool causal = false;
+  bool bf16 = false;  // products on bf16 operands: q, k, v, dout rounded (bf16 values: exact), p and ds rounded
+  bool bf16_operands = false;  // q, k, v, dout stored as bf16 (uint16_t), else f32
+};
+
+// out [heads, t, d] = softmax(scale q k^T (causal: -inf above the diagonal)) v, per head.
+void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, float* out);
+
+// out [3, heads, t, d] = dq, dk, dv of AttentionForward's output for its gradient dout (the
+// probabilities recomputed from q and k).
+void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
+                       float* out);
+
+}  // namespace shardstep::jit
