@@ -45,6 +45,7 @@
 #include "ir/passes/data_parallel_lowering.h"
 #include "ir/passes/optimizer_lowering.h"
 #include "ir/passes/weight_update_sharder.h"
+#include "jit/attention.h"
 #include "jit/cpu_executor.h"
 #include "jit/dnnl_kernels.h"
 #include "models/models.h"
@@ -812,9 +813,34 @@ void GemmCompare() {
             << t_split_bf16 * 1e3 << " (ratio " << t_split_bf16 / t_split << "), on operands stored as bf16 (the step's "
             << "way) " << t_inplace * 1e3 << " (ratio " << t_inplace / t_split << ")\n";
 
-  // transformer_lm's attention products: 128 (batch 32 x 4 heads) small products per op, as the step
-  // runs them: f32 (a TBB task per product, jit/native_ops.cc BatchedMatmul), bf16 on stored bf16
-  // operands (ParallelBf16Matmul: several products per oneDNN call), and bf16 one product per call.
+  // transformer_lm's attention op (jit/attention.h) on its shape, 128 heads (batch 32 x 4) of [128, 32],
+  // causal: forward and backward, f32 and bf16 (operands stored as bf16, as the step reads them).
+  {
+    jit::AttentionShape s;
+    s.heads = 128, s.t = 128, s.d = 32, s.scale = 0.1767767f, s.causal = true;
+    const int64_t n = s.heads * s.t * s.d;
+    std::vector<float> x(n), out(3 * n);
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+    for (float& e : x) e = u(rng);
+    std::vector<uint16_t> xb(n);
+    for (int64_t i = 0; i < n; ++i) xb[i] = runtime::F32ToBf16(x[i]);
+    double ms[2][2];  // [bf16][backward]
+    for (int bf16 = 0; bf16 < 2; ++bf16) {
+      s.bf16 = s.bf16_operands = bf16 != 0;
+      const void* o = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+      ms[bf16][0] = time([&] { jit::AttentionForward(s, o, o, o, out.data()); }) * 1e3;
+      ms[bf16][1] = time([&] { jit::AttentionBackward(s, o, o, o, o, out.data()); }) * 1e3;
+    }
+    std::cout << "transformer_lm's attention op (one layer: 128 heads of 128 x 32, causal), ms (medians of 20): "
+              << "forward f32 " << ms[0][0] << ", bf16 " << ms[1][0] << " (ratio " << ms[1][0] / ms[0][0]
+              << "); backward f32 " << ms[0][1] << ", bf16 " << ms[1][1] << " (ratio " << ms[1][1] / ms[0][1] << ")\n";
+  }
+
+  // The decomposed form's attention products (with dropout: bert's bench config): 128 small products per
+  // op, as the step runs them: f32 (a TBB task per product, jit/native_ops.cc BatchedMatmul), bf16 on
+  // stored bf16 operands (ParallelBf16Matmul: several products per oneDNN call), and bf16 one product per
+  // call.
   const std::vector<G> attention = {{false, true, 128, 128, 32},   // scores Q K^T
                                     {false, false, 128, 32, 128},  // A V
                                     {true, false, 128, 32, 128},   // dV = A^T dO
@@ -840,7 +866,7 @@ void GemmCompare() {
       });
     });
   }
-  std::cout << "transformer_lm's attention products (4 ops of 128 products), ms per set (medians of 20), as the step "
+  std::cout << "the decomposed attention's products (4 ops of 128 products of 128 x 32), ms per set (medians of 20), as the step "
             << "runs them: f32 " << t_f32 * 1e3 << ", bf16 " << t_grouped * 1e3 << " (ratio " << t_grouped / t_f32
             << "); bf16 one product per oneDNN call " << t_single * 1e3 << " (grouped / single " << t_grouped / t_single
             << ")\n";
