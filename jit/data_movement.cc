@@ -336,20 +336,32 @@ template <typename T>
 }
 // Column over `rows` consecutive rows of n elements into the same part[0, n): channels-last batch
 // norm's sums (rows of C = 16-64 channels, one call per window instead of one per row).
-// For n of 16, 32 or 64 (resnet's channel counts) the n sums stay in registers over the rows.
-template <int64_t N, typename T>
-[[gnu::always_inline]] inline void ColumnRowsFixed(const T* xs, int64_t rows, double* part) {
-  double acc[N];
-  for (int64_t k = 0; k < N; ++k) acc[k] = part[k];
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t k = 0; k < N; ++k) acc[k] += xs[r * N + k];
-  for (int64_t k = 0; k < N; ++k) part[k] = acc[k];
+// For n of 16, 32 or 64 (resnet's channel counts) the n sums stay in registers over the rows; with 16
+// or 32 channels the rows are dealt in turn to K chains (ColumnChains: row i of the call to chain
+// (chain0 + i) % K, chain c's sums at part[c * n, (c + 1) * n)), so K independent add chains per
+// column fill the adder where one would wait on its latency (2.8 ms of resnet20's step here).
+template <int64_t N, int K, typename T>
+[[gnu::always_inline]] inline void ColumnRowsFixed(const T* xs, int64_t rows, int64_t chain0, double* part) {
+  double acc[K][N];
+  for (int c = 0; c < K; ++c)
+    for (int64_t k = 0; k < N; ++k) acc[c][k] = part[c * N + k];
+  int64_t r = 0;
+  if constexpr (K > 1)  // up to the next row of chain 0
+    for (int c = static_cast<int>(chain0); c != 0 && c < K && r < rows; c = c + 1 == K ? 0 : c + 1, ++r)
+      for (int64_t k = 0; k < N; ++k) acc[c][k] += xs[r * N + k];
+  for (; r + K <= rows; r += K)
+    for (int c = 0; c < K; ++c)
+      for (int64_t k = 0; k < N; ++k) acc[c][k] += xs[(r + c) * N + k];
+  for (int c = 0; r < rows; ++c, ++r)
+    for (int64_t k = 0; k < N; ++k) acc[c][k] += xs[r * N + k];
+  for (int c = 0; c < K; ++c)
+    for (int64_t k = 0; k < N; ++k) part[c * N + k] = acc[c][k];
 }
 template <typename T>
-[[gnu::always_inline]] inline void ColumnRowsBody(const T* xs, int64_t rows, int64_t n, double* part) {
-  if (n == 16) return ColumnRowsFixed<16>(xs, rows, part);
-  if (n == 32) return ColumnRowsFixed<32>(xs, rows, part);
-  if (n == 64) return ColumnRowsFixed<64>(xs, rows, part);
+[[gnu::always_inline]] inline void ColumnRowsBody(const T* xs, int64_t rows, int64_t n, int64_t chain0, double* part) {
+  if (n == 16) return ColumnRowsFixed<16, 4>(xs, rows, chain0, part);
+  if (n == 32) return ColumnRowsFixed<32, 2>(xs, rows, chain0, part);
+  if (n == 64) return ColumnRowsFixed<64, 1>(xs, rows, chain0, part);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < n; ++k) part[k] += xs[r * n + k];
 }
@@ -362,7 +374,8 @@ SS_ISA_VARIANTS(Lanes, (const float* xs, int64_t a, int64_t b, int64_t n8, doubl
 SS_ISA_VARIANTS(Lanes4, (const float* x0, const float* x1, const float* x2, const float* x3, int64_t n, double (*s)[8]),
                 (x0, x1, x2, x3, n, s))
 SS_ISA_VARIANTS(Column, (const float* xs, int64_t count, double* part), (xs, count, part))
-SS_ISA_VARIANTS(ColumnRows, (const float* xs, int64_t rows, int64_t n, double* part), (xs, rows, n, part))
+SS_ISA_VARIANTS(ColumnRows, (const float* xs, int64_t rows, int64_t n, int64_t chain0, double* part),
+                (xs, rows, n, chain0, part))
 #undef SS_ISA_VARIANTS
 
 int Isa() {
@@ -401,17 +414,22 @@ void Column(const T* xs, int64_t count, double* part) {
 }
 
 template <typename T>
-void ColumnRows(const T* xs, int64_t rows, int64_t n, double* part) {
+void ColumnRows(const T* xs, int64_t rows, int64_t n, int64_t chain0, double* part) {
   if constexpr (std::is_same_v<T, float>) {
     const int isa = Isa();
-    if (isa == 2) return ColumnRowsAvx512(xs, rows, n, part);
-    if (isa == 1) return ColumnRowsAvx2(xs, rows, n, part);
-    return ColumnRowsBase(xs, rows, n, part);
+    if (isa == 2) return ColumnRowsAvx512(xs, rows, n, chain0, part);
+    if (isa == 1) return ColumnRowsAvx2(xs, rows, n, chain0, part);
+    return ColumnRowsBase(xs, rows, n, chain0, part);
   }
-  ColumnRowsBody(xs, rows, n, part);
+  ColumnRowsBody(xs, rows, n, chain0, part);
 }
 // Whether every row adds into the same outputs, part[0, n): [reduced rows, kept n] after collapsing.
 bool OneColumnBlock(const ReduceLayout& l) { return l.inner == 1 && l.rank == 2 && l.acc_strides[0] == 0; }
+// How many chains a block's rows are dealt to (ColumnRowsFixed): it depends on the layout only.
+int64_t ColumnChains(const ReduceLayout& l) {
+  if (!OneColumnBlock(l)) return 1;
+  return l.n == 16 ? 4 : l.n == 32 ? 2 : 1;
+}
 
 // Elements [a, b) of one row (k counted from the row's start; xs points at element a; a is a
 // multiple of 8 or 0) added into the partial sums: along a reduced last axis into lanes s (Lanes),
@@ -459,8 +477,10 @@ void SumRows(const ReduceLayout& l, int64_t r0, int64_t r1, const T* x, int64_t 
 // by its row's block alone, and the other blocks' partials would be zeros: adding them changes no bit
 // (a partial starts at +0), so they are not kept, zeroed nor added (32 x 16384 doubles per softmax sum).
 int64_t PartialArrays(const ReduceLayout& l) { return l.inner == 0 && l.rows == l.nout ? 1 : l.blocks; }
+// Doubles per array of partial sums: nout per chain.
+int64_t PartialSize(const ReduceLayout& l) { return l.nout * ColumnChains(l); }
 double* PartialOf(const ReduceLayout& l, double* acc, int64_t blk) {
-  return acc + (PartialArrays(l) == 1 ? 0 : blk * l.nout);
+  return acc + (PartialArrays(l) == 1 ? 0 : blk * PartialSize(l));
 }
 
 // The blocks' partial sums (acc[blk * nout + i]) added in block order, divided for a mean.
@@ -469,8 +489,15 @@ void Finish(const ReduceLayout& l, bool mean, double* acc, T* out) {
   // Block by block over contiguous outputs (each output still adds its blocks in block order): per
   // output across the blocks, every read was nout doubles away from the last (a cache and TLB miss
   // each for softmax's 16384 rows).
+  const int64_t chains = ColumnChains(l), size = PartialSize(l);
+  for (int64_t blk = 0; chains > 1 && blk < PartialArrays(l); ++blk) {  // a block's chains, pairwise
+    double* c = acc + blk * size;
+    const int64_t n = l.nout;
+    for (int64_t i = 0; i < n; ++i)
+      c[i] = chains == 4 ? (c[i] + c[n + i]) + (c[2 * n + i] + c[3 * n + i]) : c[i] + c[n + i];
+  }
   for (int64_t blk = 1; blk < PartialArrays(l); ++blk) {
-    const double* part = acc + blk * l.nout;
+    const double* part = acc + blk * size;
     for (int64_t i = 0; i < l.nout; ++i) acc[i] += part[i];
   }
   for (int64_t i = 0; i < l.nout; ++i) {
@@ -547,12 +574,12 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     });
     return;
   }
-  acc.assign(PartialArrays(l) * l.nout, 0.0);
+  acc.assign(PartialArrays(l) * PartialSize(l), 0.0);
   ForBlocks(l.blocks, [&](int64_t blk) {
     double* part = PartialOf(l, acc.data(), blk);
     const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
     if (l.inner == 0) return SumRows(l, r0, r1, x, 0, part);
-    if (OneColumnBlock(l)) return ColumnRows(x + r0 * l.n, r1 - r0, l.n, part);
+    if (OneColumnBlock(l)) return ColumnRows(x + r0 * l.n, r1 - r0, l.n, 0, part);
     ForRows(l, r0, r1, [&](int64_t src, int64_t dst) { AddRowPart(l, x + src, 0, l.n, nullptr, part + dst); });
   });
   Finish(l, op == OpCode::kReduceMean, acc.data(), out);
@@ -564,7 +591,7 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
 // same order as Reduce's.
 void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const* out, int64_t window,
                WindowProducer produce, std::vector<double>& acc) {
-  const int64_t per_sum = PartialArrays(l) * l.nout;
+  const int64_t per_sum = PartialArrays(l) * PartialSize(l), chains = ColumnChains(l);
   acc.assign(per_sum * count, 0.0);
   window = std::max<int64_t>(8, window / 8 * 8);
   ForBlocks(l.blocks, [&](int64_t blk) {
@@ -578,7 +605,7 @@ void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const*
         for (int j = 0; j < count; ++j) {
           double* p = part(j);
           if (l.inner == 0) SumRows(l, w0, w1, x[j], e0, p);
-          else if (OneColumnBlock(l)) ColumnRows(x[j], w1 - w0, l.n, p);
+          else if (OneColumnBlock(l)) ColumnRows(x[j], w1 - w0, l.n, (w0 - r0) % chains, p);
           else ForRows(l, w0, w1, [&](int64_t src, int64_t dst) { AddRowPart(l, x[j] + (src - e0), 0, l.n, nullptr, p + dst); });
         }
       }
@@ -591,7 +618,7 @@ void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const*
       for (int64_t a = 0; a < l.n; a += window) {
         const int64_t b = std::min(l.n, a + window);
         const float* const* x = produce(src + a, src + b);
-        for (int j = 0; j < count; ++j) AddRowPart(l, x[j], a, b, s[j], part(j) + dst);
+        for (int j = 0; j < count; ++j) AddRowPart(l, x[j], a, b, s[j], part(j) + dst + (src / l.n - r0) % chains * l.n);
       }
       if (l.inner == 0)
         for (int j = 0; j < count; ++j) part(j)[dst] += LaneSum(s[j]);

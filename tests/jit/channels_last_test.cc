@@ -261,27 +261,29 @@ TEST_CASE("channels-last: a one-channel stem runs NHWC when two convolutions fol
 }
 
 // Channels-last batch norm sums [rows, C] over the rows into C outputs. For C = 16, 32 and 64 the
-// sums stay in registers over a block's rows (jit/data_movement.cc ColumnRows); the order is still
-// Reduce's: each block of rows summed in f64 from its first row to its last, the blocks added in order.
+// sums stay in registers over a block's rows (jit/data_movement.cc ColumnRows); the order is
+// Reduce's: each block's rows dealt in turn to K chains (K = 4 for 16 channels, 2 for 32, else 1), each
+// chain summed in f64 from its first row to its last, the chains added pairwise, the blocks in order.
 TEST_CASE("channels-last sums over rows keep Reduce's order for every channel count", "[jit]") {
   for (int64_t c : {16, 24, 32, 64}) {
     const int64_t rows = 9000;  // several blocks, the last one short
     const jit::ReduceLayout l = jit::LayoutOf({rows, c}, {0}, {c});
     REQUIRE(l.blocks > 2);
     Tensor x = RandomF32({rows, c}, static_cast<uint32_t>(c));
-    // In every block, 1e17 then -1e17 five rows later: in f64 the rows between them are absorbed (lost),
-    // so a sum in another order (reversed, pairwise, split) gives other values.
-    for (int64_t b0 = 0; b0 + 5 < rows; b0 += l.block_rows)
-      for (int64_t k = 0; k < c; ++k) x.f32[b0 * c + k] = 1e17f, x.f32[(b0 + 5) * c + k] = -1e17f;
+    // In every block, 1e17 then -1e17 eight rows later (the same chain): in f64 the chain's rows between
+    // them are absorbed (lost), so a sum in another order (reversed, pairwise, split) gives other values.
+    for (int64_t b0 = 0; b0 + 8 < rows; b0 += l.block_rows)
+      for (int64_t k = 0; k < c; ++k) x.f32[b0 * c + k] = 1e17f, x.f32[(b0 + 8) * c + k] = -1e17f;
     std::vector<double> acc;
     std::vector<float> got(c);
     jit::Reduce<float>(OpCode::kReduceSum, {rows, c}, {0}, {c}, x.f32.data(), got.data(), acc);
     for (int64_t k = 0; k < c; ++k) {
       double total = 0;
+      const int64_t chains = c == 16 ? 4 : c == 32 ? 2 : 1;
       for (int64_t b0 = 0; b0 < rows; b0 += l.block_rows) {
-        double block = 0;
-        for (int64_t r = b0; r < std::min(rows, b0 + l.block_rows); ++r) block += x.f32[r * c + k];
-        total += block;
+        double chain[4] = {};
+        for (int64_t r = b0; r < std::min(rows, b0 + l.block_rows); ++r) chain[(r - b0) % chains] += x.f32[r * c + k];
+        total += chains == 4 ? (chain[0] + chain[1]) + (chain[2] + chain[3]) : chain[0] + chain[1];
       }
       INFO(c << " channels, output " << k);
       REQUIRE(got[k] == static_cast<float>(total));
