@@ -5,7 +5,9 @@
 // stride-1 convolutions only), the stem loops (one input channel; jit/stem_conv.h; also on the
 // CNN's 32-channel stem, which is not in resnet20's step count), and oneDNN on NHWC activations (the
 // channels-last path a step takes for >= 8 channels, jit/channels_last.h: its operands and result
-// are NHWC, so no reorder is timed; its result is transposed back for the checks). Each path runs as the step runs it (blocks of images as TBB
+// are NHWC, so no reorder is timed; its result is transposed back for the checks), and on that path our
+// Winograd F(2x2, 3x3) loops (jit/winograd_nhwc.h: the forward pass, and the input gradient through the
+// turned filter; where WinogradAllowed). Each path runs as the step runs it (blocks of images as TBB
 // tasks, one OpenMP thread per oneDNN call). Medians of wall time over --reps calls, the paths
 // measured alternately so machine noise hits all alike; ratios are against im2col. It also checks
 // the numbers: each path against im2col (max |diff| relative to the largest |value|), the same bits
@@ -86,12 +88,12 @@ int main(int argc, char** argv) {
   const char* kind_names[] = {"forward", "input-grad", "filter-grad"};
   const ConvPath paths[] = {ConvPath::kIm2col, ConvPath::kDnnlPlain, ConvPath::kDnnlBlocked, ConvPath::kDnnlWinograd,
                             ConvPath::kStem, ConvPath::kDnnlChannelsLast};
-  constexpr int kPaths = 6, kNhwc = 5;
+  constexpr int kPaths = 7, kNhwc = 5, kNhwcWinograd = 6;  // the last: kDnnlChannelsLast with ConvTies::kFree
   std::printf("image %lldx%lld, batch %lld, %d reps, %d hardware threads; median ms per call, ratio vs im2col\n",
               static_cast<long long>(image), static_cast<long long>(image), static_cast<long long>(batch), reps, jit::NumCores());
-  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col", "plain",
-              "ratio", "blocked", "ratio", "winograd", "ratio", "stem", "ratio", "nhwc", "ratio", "preferred",
-              "checks (max rel diff vs im2col; bits)");
+  std::printf("%-19s %-11s %9s %9s %6s %9s %6s %9s %6s %9s %6s %9s %6s %9s %6s  %-15s  %s\n", "layer", "kind", "im2col",
+              "plain", "ratio", "blocked", "ratio", "winograd", "ratio", "stem", "ratio", "nhwc", "ratio", "nhwc-wino",
+              "ratio", "preferred", "checks (max rel diff vs im2col; bits)");
   double step_old = 0, step_new = 0, step_nhwc = 0;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> uni(-1, 1);
@@ -115,8 +117,8 @@ int main(int argc, char** argv) {
       // The channels-last path's operands: the activations NHWC.
       const float* a_nhwc = kind == ConvKind::kInputGrad ? dy_nhwc.data() : x_nhwc.data();
       const float* b_nhwc = kind == ConvKind::kFilterGrad ? dy_nhwc.data() : w.data();
-      auto A = [&](int p) { return p == kNhwc ? a_nhwc : a; };
-      auto B = [&](int p) { return p == kNhwc ? b_nhwc : b; };
+      auto A = [&](int p) { return p >= kNhwc ? a_nhwc : a; };
+      auto B = [&](int p) { return p >= kNhwc ? b_nhwc : b; };
       const size_t out_size = kind == ConvKind::kForward ? dy.size() : kind == ConvKind::kInputGrad ? x.size() : w.size();
       // Every path that takes the shape (oneDNN's Winograd only 3x3 stride-1 ones with channels in 16s).
       std::vector<std::unique_ptr<jit::ConvKernel>> kernels;
@@ -129,6 +131,12 @@ int main(int argc, char** argv) {
         } catch (const Error&) {
           kernels.push_back(nullptr);
         }
+      }
+      // The channels-last path as a module without max pooling takes it: with the Winograd loops where they apply.
+      kernels.push_back(nullptr);
+      if (kernels[kNhwc] && g.c != 1) {
+        auto k = std::make_unique<jit::ConvKernel>(kind, g, ConvPath::kDnnlChannelsLast, jit::ConvTies::kFree);
+        if (k->winograd()) kernels[kNhwcWinograd] = std::move(k);
       }
       std::vector<std::vector<float>> out(kPaths, std::vector<float>(out_size));
       std::vector<double> ms[kPaths];
@@ -150,11 +158,11 @@ int main(int argc, char** argv) {
       float scale = 0;
       for (float v : out[0]) scale = std::max(scale, std::fabs(v));
       std::string checks;
-      const char* short_names[] = {"im2col", "plain", "blocked", "winograd", "stem", "nhwc"};
+      const char* short_names[] = {"im2col", "plain", "blocked", "winograd", "stem", "nhwc", "nhwc-wino"};
       for (int p = 1; p < kPaths; ++p) {
         if (!kernels[p]) continue;
         double diff = 0;
-        const std::vector<float> mine = p == kNhwc ? nchw(out[p]) : out[p];
+        const std::vector<float> mine = p >= kNhwc ? nchw(out[p]) : out[p];
         for (size_t i = 0; i < out_size; ++i) diff = std::max(diff, static_cast<double>(std::fabs(mine[i] - out[0][i])));
         std::vector<float> again(out_size), one(out_size);
         kernels[p]->Run(A(p), B(p), again.data());
@@ -173,11 +181,14 @@ int main(int argc, char** argv) {
       SS_CHECK(kernels[ci], "the preferred path ", jit::ConvPathName(chosen), " does not take ", l.name);
       step_old += l.count * m[0];
       step_new += l.count * m[ci];
-      step_nhwc += l.count * (kernels[kNhwc] ? m[kNhwc] : m[ci]);  // resnet20's step has two forward ones: rewritten
-      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s%s%s]\n", l.name,
-                  kind_names[ki], m[0], m[1], m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], m[4], m[4] / m[0],
-                  m[kNhwc], m[kNhwc] / m[0], jit::ConvPathName(chosen), checks.c_str(), kernels[ci]->Describe().c_str(),
-                  kernels[kNhwc] ? "; " : "", kernels[kNhwc] ? kernels[kNhwc]->Describe().c_str() : "");
+      // (resnet20's step has two forward ones: rewritten; with the Winograd loops where they apply.)
+      step_nhwc += l.count * (kernels[kNhwcWinograd] ? m[kNhwcWinograd] : kernels[kNhwc] ? m[kNhwc] : m[ci]);
+      const int shown = kernels[kNhwcWinograd] ? kNhwcWinograd : kNhwc;
+      std::printf("%-19s %-11s %9.3f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f %9.3f %6.2f  %-15s  %s[%s%s%s]\n",
+                  l.name, kind_names[ki], m[0], m[1], m[1] / m[0], m[2], m[2] / m[0], m[3], m[3] / m[0], m[4], m[4] / m[0],
+                  m[kNhwc], m[kNhwc] / m[0], m[kNhwcWinograd], m[kNhwcWinograd] / m[0], jit::ConvPathName(chosen),
+                  checks.c_str(), kernels[ci]->Describe().c_str(), kernels[shown] ? "; " : "",
+                  kernels[shown] ? kernels[shown]->Describe().c_str() : "");
     }
   }
   std::printf("resnet20 step's convolutions (each layer x its count): im2col %.2f ms, preferred NCHW paths %.2f ms (ratio %.2f), "

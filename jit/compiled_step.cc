@@ -410,10 +410,10 @@ void CompiledStep::Plan(bool fuse_reductions) {
     const ConvShape g = kind == ConvKind::kForward     ? ConvShapeOf(nchw(a), b, in)
                         : kind == ConvKind::kInputGrad ? ConvShapeOf(nchw(in.type.shape), b, in)
                                                        : ConvShapeOf(nchw(a), in.type.shape, in);
-    conv_[v] = nhwc ? PlannedChannelsLastConv(kind, g) : PlannedConv(kind, g, ties);
+    conv_[v] = nhwc ? PlannedChannelsLastConv(kind, g, ties) : PlannedConv(kind, g, ties);
     SS_CHECK(conv_[v], "no channels-last kernel for convolution %", v, " (the rewrite checked for one)");
     info_.channels_last_convs += nhwc;
-    info_.winograd_convs += conv_[v]->path() == ConvPath::kDnnlWinograd;
+    info_.winograd_convs += conv_[v]->winograd();
   }
 
   // 4. What the driver does at each step; constants need nothing at run time (filled at allocation),

@@ -30,7 +30,7 @@ struct CompileInfo {
   int row_views = 0;         // gathers of one row of a variable, read in place (PlanViews)
   int slice_views = 0;       // contiguous slices read in place (PlanViews)
   int packed_collectives = 0;  // combined collectives run on their parts, without concat or slice copies
-  int winograd_convs = 0;      // convolutions (of any pass) on oneDNN's Winograd kernels (jit/dnnl_conv.h)
+  int winograd_convs = 0;      // convolutions (of any pass) on Winograd kernels (jit/dnnl_conv.h)
   int channels_last_convs = 0;  // convolutions on NHWC activations (jit/channels_last.h)
   int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
   int broadcast_copies = 0;    // copies of a broadcast for its second and later loop readers (never written)

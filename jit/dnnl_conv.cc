@@ -31,6 +31,7 @@
 #include "jit/dnnl_kernels.h"
 #include "jit/nhwc16_filter_grad.h"
 #include "jit/stem_conv.h"
+#include "jit/winograd_nhwc.h"
 
 namespace shardstep::jit {
 namespace {
@@ -271,7 +272,17 @@ namespace {
 // Whether a channels-last input gradient runs as the forward pass of the turned filter (RunTurned):
 // bench/conv, 16 -> 16 channels at 28x28, batch 128: the input-gradient kernel 2.08 ms, the forward
 // one on the same multiplies 1.57 ms.
+// With the Winograd loops (jit/winograd_nhwc.h) the turned forward pass takes them: every shape they
+// take (bench/conv).
+ConvShape TurnedShape(const ConvShape& g) {  // the forward convolution of the output gradient
+  ConvShape f = g;
+  std::swap(f.c, f.o);
+  std::swap(f.h, f.oh);
+  std::swap(f.w, f.ow);
+  return f;
+}
 bool TurnedInputGradPays(const ConvShape& g) {
+  if (WinogradAllowed() && WinogradNhwcApplies(TurnedShape(g))) return true;
   return g.c == 16 && g.o == 16 && g.kh == 3 && g.kw == 3 && g.sh == 1 && g.sw == 1 && g.ph == 1 && g.pw == 1 &&
          g.oh == g.h && g.ow == g.w;
 }
@@ -293,11 +304,20 @@ ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties, boo
   return g.kh * g.kw > 1 && g.c % 8 == 0 && g.o % 8 == 0 ? ConvPath::kDnnlBlocked : ConvPath::kIm2col;
 }
 
-ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {
+namespace {
+const std::string& ConvChoice() {  // SHARDSTEP_CONV, read once per process
   static const std::string choice = [] {
     const char* e = std::getenv("SHARDSTEP_CONV");
     return std::string(e ? e : "");
   }();
+  return choice;
+}
+}  // namespace
+
+bool WinogradAllowed() { return WinogradCpu() && ConvChoice() != "direct" && ConvChoice() != "im2col"; }
+
+ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {
+  const std::string& choice = ConvChoice();
   if (choice == "im2col") return ConvPath::kIm2col;
   const ConvPath p = PreferredConvPath(kind, g, ties, WinogradCpu());
   return choice == "direct" && p == ConvPath::kDnnlWinograd ? ConvPath::kDnnlBlocked : p;
@@ -322,23 +342,25 @@ std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g,
   return k;
 }
 
-std::shared_ptr<const ConvKernel> PlannedChannelsLastConv(ConvKind kind, const ConvShape& g) {
-  using Key = std::array<int64_t, 14>;
+std::shared_ptr<const ConvKernel> PlannedChannelsLastConv(ConvKind kind, const ConvShape& g, ConvTies ties) {
+  using Key = std::array<int64_t, 15>;
   static std::mutex mu;
   static std::map<Key, std::shared_ptr<const ConvKernel>> cache;
-  const Key key{static_cast<int64_t>(kind), g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.oh, g.ow};
+  const Key key{static_cast<int64_t>(kind), g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.oh, g.ow,
+                static_cast<int64_t>(ties)};
   std::lock_guard<std::mutex> lock(mu);
   auto [it, fresh] = cache.emplace(key, nullptr);
   if (fresh) {
     try {
-      it->second = std::make_shared<const ConvKernel>(kind, g, ConvPath::kDnnlChannelsLast);
+      it->second = std::make_shared<const ConvKernel>(kind, g, ConvPath::kDnnlChannelsLast, ties);
     } catch (const Error&) {  // no such kernel: the caller keeps the convolution NCHW
     }
   }
   return it->second;
 }
 
-ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_(kind), g_(g), path_(path) {
+ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path, ConvTies ties)
+    : kind_(kind), g_(g), path_(path) {
   if (path == ConvPath::kIm2col) return;
   if (path == ConvPath::kStem) {
     if (kind == ConvKind::kInputGrad || !StemConvApplies(g))
@@ -378,14 +400,18 @@ ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path) : kind_
   impl->describe = Str(ConvPathName(path), " ", name ? name : "?", impl->blocks[0].share_weights ? " (shared weights)" : "");
   if (path == ConvPath::kDnnlWinograd) impl->exact = std::make_shared<const ConvKernel>(kind, g, ConvPath::kDnnlBlocked);
   impl_ = std::move(impl);
+  winograd_nhwc_ = path == ConvPath::kDnnlChannelsLast && kind == ConvKind::kForward && ties == ConvTies::kFree &&
+                   WinogradAllowed() && WinogradNhwcApplies(g);
   if (path == ConvPath::kDnnlChannelsLast && kind == ConvKind::kInputGrad && TurnedInputGradPays(g)) {
-    // The forward convolution of the output gradient (channels o) into the input gradient (channels c).
-    ConvShape f = g;
-    std::swap(f.c, f.o);
-    std::swap(f.h, f.oh);
-    std::swap(f.w, f.ow);
-    turned_forward_ = std::make_shared<const ConvKernel>(ConvKind::kForward, f, ConvPath::kDnnlChannelsLast);
+    // The forward convolution of the output gradient (channels o) into the input gradient (channels c):
+    // an input gradient has no ties to keep.
+    turned_forward_ = std::make_shared<const ConvKernel>(ConvKind::kForward, TurnedShape(g), ConvPath::kDnnlChannelsLast,
+                                                         ConvTies::kFree);
   }
+}
+
+bool ConvKernel::winograd() const {
+  return path_ == ConvPath::kDnnlWinograd || winograd_nhwc_ || (turned_forward_ && turned_forward_->winograd());
 }
 
 ConvKernel::~ConvKernel() = default;
@@ -394,6 +420,7 @@ std::string ConvKernel::Describe() const {
   if (nhwc16_filter_grad_) return Str(ConvPathName(path_), " nhwc16-avx512");
   if (stem_nhwc_) return Str(ConvPathName(path_), " stem-avx512");
   if (turned_forward_) return Str(turned_forward_->Describe(), " (turned filter)");
+  if (winograd_nhwc_) return Str(ConvPathName(path_), " winograd-f2x2-avx512 (else ", impl_->describe, ")");
   return impl_ ? impl_->describe : ConvPathName(path_);
 }
 
@@ -471,6 +498,9 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
   // An inf or NaN weight: oneDNN's own input-gradient kernel (the turned forward pass would meet
   // padding where the input gradient drops it).
   if (turned_forward_ && !AnyNonFinite(b, g_.o * g_.k())) return RunTurned(a, b, out);
+  // Winograd with finite weights; a result that is not all finite is computed again below (an inf
+  // input spreads over its whole tile there).
+  if (winograd_nhwc_ && !AnyNonFinite(b, g_.o * g_.k()) && WinogradNhwcForward(g_, a, b, out)) return;
   if (path_ == ConvPath::kStem) {  // multiplies padded zeros, as the interpreter does
     if (kind_ == ConvKind::kForward) StemConvForward(g_, a, b, out);
     else StemConvFilterGrad(g_, a, b, out);

@@ -25,7 +25,11 @@ enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // weights are reordered. On that path a one-channel stem takes the stem loops' channels-last form, and
 // the 16 -> 16 channel 3x3 stride-1 convolutions (resnet20's first
 // stage) take two faster routes: the filter gradient our own AVX-512 loops (jit/nhwc16_filter_grad.h),
-// the input gradient oneDNN's forward kernel with the filter turned (see ConvKernel::RunTurned).
+// the input gradient oneDNN's forward kernel with the filter turned (see ConvKernel::RunTurned). Where
+// Winograd pays (WinogradCpu), 3x3 stride-1 padding-1 convolutions with channels in 16s take our
+// Winograd F(2x2, 3x3) loops (jit/winograd_nhwc.h) for the forward pass (not next to max pooling:
+// ConvTies) and, through the turned filter, the input gradient; oneDNN's kernel stays for the calls
+// whose weights or result are not all finite.
 enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd, kStem, kDnnlChannelsLast };
 const char* ConvPathName(ConvPath p);
 // Whether equal input patches must give equal forward outputs: a module with max pooling, whose choice
@@ -35,6 +39,8 @@ enum class ConvTies { kFree, kExact };
 // Whether Winograd pays on this CPU at all (bench/conv: on an AMD CPU it did, on an Intel one with AMX
 // it did not); read once per process.
 bool WinogradCpu();
+// WinogradCpu, unless the environment variable SHARDSTEP_CONV asks for direct or im2col kernels.
+bool WinogradAllowed();
 // The faster path for this convolution by bench/conv's measurements: a rule on the shape (and ties)
 // and the CPU class alone, so the same module always computes the same bits on one machine.
 ConvPath PreferredConvPath(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact,
@@ -53,10 +59,13 @@ constexpr int64_t kConvChunk = 8;
 // nothing (executed through oneDNN's C API: no argument map).
 class ConvKernel {
  public:
-  ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path);
+  // ties: on the kDnnlChannelsLast path, kFree lets a forward pass take the Winograd loops.
+  ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path, ConvTies ties = ConvTies::kExact);
   ~ConvKernel();
   void Run(const float* a, const float* b, float* out) const;
   ConvPath path() const { return path_; }
+  // Whether its calls run Winograd loops (oneDNN's, or ours on NHWC activations, also turned).
+  bool winograd() const;
   // oneDNN's implementation names (e.g. "jit:avx2"), or "im2col+sgemm".
   std::string Describe() const;
 
@@ -72,8 +81,10 @@ class ConvKernel {
   std::shared_ptr<const Impl> impl_;  // the primitives (null for kIm2col, kStem, nhwc16_filter_grad_, stem_nhwc_)
   bool nhwc16_filter_grad_ = false;   // kDnnlChannelsLast filter gradient by Nhwc16FilterGrad
   bool stem_nhwc_ = false;            // kDnnlChannelsLast one-channel stem (StemConvForwardNhwc, ...)
+  bool winograd_nhwc_ = false;        // kDnnlChannelsLast forward by WinogradNhwcForward (impl_ the exact path)
   // kDnnlChannelsLast input gradient of a 3x3 stride-1 padding-1 convolution with 16 channels in and
-  // out: the forward kernel that computes it from the turned filter (RunTurned).
+  // out, or with channels in 16s where the Winograd loops run: the forward kernel that computes it from
+  // the turned filter (RunTurned).
   std::shared_ptr<const ConvKernel> turned_forward_;
 };
 
@@ -83,6 +94,7 @@ class ConvKernel {
 std::shared_ptr<const ConvKernel> PlannedConv(ConvKind kind, const ConvShape& g, ConvTies ties = ConvTies::kExact);
 // The kernel on NHWC activations (kDnnlChannelsLast; `g` still names the sizes as NCHW/OIHW), or null
 // when oneDNN has none for the shape. Cached as PlannedConv's.
-std::shared_ptr<const ConvKernel> PlannedChannelsLastConv(ConvKind kind, const ConvShape& g);
+std::shared_ptr<const ConvKernel> PlannedChannelsLastConv(ConvKind kind, const ConvShape& g,
+                                                          ConvTies ties = ConvTies::kExact);
 
 }  // namespace shardstep::jit
