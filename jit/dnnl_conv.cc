@@ -400,8 +400,8 @@ ConvKernel::ConvKernel(ConvKind kind, const ConvShape& g, ConvPath path, ConvTie
   impl->describe = Str(ConvPathName(path), " ", name ? name : "?", impl->blocks[0].share_weights ? " (shared weights)" : "");
   if (path == ConvPath::kDnnlWinograd) impl->exact = std::make_shared<const ConvKernel>(kind, g, ConvPath::kDnnlBlocked);
   impl_ = std::move(impl);
-  winograd_nhwc_ = path == ConvPath::kDnnlChannelsLast && kind == ConvKind::kForward && ties == ConvTies::kFree &&
-                   WinogradAllowed() && WinogradNhwcApplies(g);
+  winograd_nhwc_ = path == ConvPath::kDnnlChannelsLast && WinogradAllowed() && WinogradNhwcApplies(g) &&
+                   (kind == ConvKind::kFilterGrad || (kind == ConvKind::kForward && ties == ConvTies::kFree));
   if (path == ConvPath::kDnnlChannelsLast && kind == ConvKind::kInputGrad && TurnedInputGradPays(g)) {
     // The forward convolution of the output gradient (channels o) into the input gradient (channels c):
     // an input gradient has no ties to keep.
@@ -498,9 +498,11 @@ void ConvKernel::Run(const float* a, const float* b, float* out) const {
   // An inf or NaN weight: oneDNN's own input-gradient kernel (the turned forward pass would meet
   // padding where the input gradient drops it).
   if (turned_forward_ && !AnyNonFinite(b, g_.o * g_.k())) return RunTurned(a, b, out);
-  // Winograd with finite weights; a result that is not all finite is computed again below (an inf
-  // input spreads over its whole tile there).
-  if (winograd_nhwc_ && !AnyNonFinite(b, g_.o * g_.k()) && WinogradNhwcForward(g_, a, b, out)) return;
+  // Winograd (the forward pass with finite weights); a result that is not all finite is computed again
+  // below (an inf input spreads over its whole tile there).
+  if (winograd_nhwc_ && (kind_ == ConvKind::kFilterGrad ? WinogradNhwcFilterGrad(g_, a, b, out)
+                                                         : !AnyNonFinite(b, g_.o * g_.k()) && WinogradNhwcForward(g_, a, b, out)))
+    return;
   if (path_ == ConvPath::kStem) {  // multiplies padded zeros, as the interpreter does
     if (kind_ == ConvKind::kForward) StemConvForward(g_, a, b, out);
     else StemConvFilterGrad(g_, a, b, out);

@@ -28,8 +28,8 @@ enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // the input gradient oneDNN's forward kernel with the filter turned (see ConvKernel::RunTurned). Where
 // Winograd pays (WinogradCpu), 3x3 stride-1 padding-1 convolutions with channels in 16s take our
 // Winograd F(2x2, 3x3) loops (jit/winograd_nhwc.h) for the forward pass (not next to max pooling:
-// ConvTies) and, through the turned filter, the input gradient; oneDNN's kernel stays for the calls
-// whose weights or result are not all finite.
+// ConvTies), the filter gradient and, through the turned filter, the input gradient; oneDNN's kernel
+// stays for the calls whose weights or result are not all finite.
 enum class ConvPath { kIm2col, kDnnlPlain, kDnnlBlocked, kDnnlWinograd, kStem, kDnnlChannelsLast };
 const char* ConvPathName(ConvPath p);
 // Whether equal input patches must give equal forward outputs: a module with max pooling, whose choice
@@ -81,7 +81,8 @@ class ConvKernel {
   std::shared_ptr<const Impl> impl_;  // the primitives (null for kIm2col, kStem, nhwc16_filter_grad_, stem_nhwc_)
   bool nhwc16_filter_grad_ = false;   // kDnnlChannelsLast filter gradient by Nhwc16FilterGrad
   bool stem_nhwc_ = false;            // kDnnlChannelsLast one-channel stem (StemConvForwardNhwc, ...)
-  bool winograd_nhwc_ = false;        // kDnnlChannelsLast forward by WinogradNhwcForward (impl_ the exact path)
+  bool winograd_nhwc_ = false;        // kDnnlChannelsLast forward or filter gradient by the Winograd loops
+                                      // (impl_ the exact path)
   // kDnnlChannelsLast input gradient of a 3x3 stride-1 padding-1 convolution with 16 channels in and
   // out, or with channels in 16s where the Winograd loops run: the forward kernel that computes it from
   // the turned filter (RunTurned).

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <atomic>
 #include <utility>
 #include <vector>
@@ -208,7 +209,8 @@ SS_AVX512 bool Image(const ConvShape& g, const float* x, const float* u, float* 
                      float* m) {
   const Blocking bl = BlockingOf(g.o);
   const int64_t tiles_h = (g.oh + 1) / 2, tiles_w = (g.ow + 1) / 2, tiles = tiles_h * tiles_w;
-  const int64_t stride_v = per_group * g.c, stride_m = per_group * bl.ob * kLanes;
+  // (Strides one vector more than the positions' data, as in FilterGradImages.)
+  const int64_t stride_v = per_group * g.c + kLanes, stride_m = per_group * bl.ob * kLanes + kLanes;
   __m512 bad = _mm512_setzero_ps();
   for (int64_t first = 0; first < tiles; first += per_group) {
     const int64_t count = std::min(per_group, tiles - first);
@@ -220,6 +222,137 @@ SS_AVX512 bool Image(const ConvShape& g, const float* x, const float* u, float* 
     }
   }
   return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) == 0;
+}
+
+// The filter gradient: dW = G^T [ (A dY A^T) (.) (B^T d B) ] G summed over the tiles (the forward
+// identity transposed: dY's tile (2x2, zero beyond the output) transformed, d the input patch as in the
+// forward pass), A = [1 0; 1 1; 1 -1; 0 -1], G^T = [1 1/2 1/2 0; 0 1/2 -1/2 0; 0 1/2 1/2 1].
+
+// Output-gradient tiles [first, first + count) of one image into w[p][t][o]: W = A e A^T.
+SS_AVX512 void TransformGrad(const ConvShape& g, const float* dy, int64_t tiles_w, int64_t first, int64_t count,
+                             int64_t stride_t, float* w) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t ty = (first + t) / tiles_w, tx = (first + t) % tiles_w;
+    int64_t off[2][2];
+    __mmask16 in[2][2];
+    for (int a = 0; a < 2; ++a)
+      for (int b = 0; b < 2; ++b) {
+        const int64_t inside = 2 * ty + a < g.oh && 2 * tx + b < g.ow;
+        off[a][b] = ((2 * ty + a) * g.ow + 2 * tx + b) * g.o & -inside;
+        in[a][b] = static_cast<__mmask16>(0xffff & -inside);
+      }
+    for (int64_t o = 0; o < g.o; o += kLanes) {
+      __m512 e[2][2];
+      for (int a = 0; a < 2; ++a)
+        for (int b = 0; b < 2; ++b) e[a][b] = _mm512_maskz_loadu_ps(in[a][b], dy + off[a][b] + o);
+      __m512 r[4][2];  // A e
+      for (int b = 0; b < 2; ++b) {
+        r[0][b] = e[0][b];
+        r[1][b] = _mm512_add_ps(e[0][b], e[1][b]);
+        r[2][b] = _mm512_sub_ps(e[0][b], e[1][b]);
+        r[3][b] = _mm512_sub_ps(zero, e[1][b]);
+      }
+      for (int i = 0; i < 4; ++i) {  // (A e) A^T
+        float* out = w + (4 * i) * stride_t + t * g.o + o;
+        _mm512_storeu_ps(out, r[i][0]);
+        _mm512_storeu_ps(out + stride_t, _mm512_add_ps(r[i][0], r[i][1]));
+        _mm512_storeu_ps(out + 2 * stride_t, _mm512_sub_ps(r[i][0], r[i][1]));
+        _mm512_storeu_ps(out + 3 * stride_t, _mm512_sub_ps(zero, r[i][1]));
+      }
+    }
+  }
+}
+
+// m[c][o] += sum over t of v[t][c] w[t][o] for one position, channels [c0, c0 + CB) and output vectors
+// [o0, o0 + OB * 16): CB x OB accumulators over the tiles in order.
+template <int CB, int OB>
+SS_AVX512 void AccumulateProduct(const float* v, const float* w, int64_t tiles, int64_t c_all, int64_t o_all, int64_t c0,
+                                 int64_t o0, float* m) {
+  __m512 acc[CB][OB];
+  for (int i = 0; i < CB; ++i)
+    for (int b = 0; b < OB; ++b) acc[i][b] = _mm512_loadu_ps(m + (c0 + i) * o_all + o0 + b * kLanes);
+  for (int64_t t = 0; t < tiles; ++t) {
+    __m512 wt[OB];
+    for (int b = 0; b < OB; ++b) wt[b] = _mm512_loadu_ps(w + t * o_all + o0 + b * kLanes);
+    for (int i = 0; i < CB; ++i) {
+      const __m512 vi = _mm512_set1_ps(v[t * c_all + c0 + i]);
+      for (int b = 0; b < OB; ++b) acc[i][b] = _mm512_fmadd_ps(vi, wt[b], acc[i][b]);
+    }
+  }
+  for (int i = 0; i < CB; ++i)
+    for (int b = 0; b < OB; ++b) _mm512_storeu_ps(m + (c0 + i) * o_all + o0 + b * kLanes, acc[i][b]);
+}
+
+// Tiles transformed per sweep over the sums m: a sweep loads and stores all of m (16 x C x O floats:
+// 256 KB with 64 channels), so it runs over several images' tiles at once.
+constexpr int64_t kTilesPerSweep = 64;
+int64_t ImagesPerSweep(const ConvShape& g) {
+  const int64_t tiles = ((g.oh + 1) / 2) * ((g.ow + 1) / 2);
+  return std::max<int64_t>(1, kTilesPerSweep / std::max<int64_t>(tiles, 1));
+}
+
+// Images [first, last) added into m[p][c][o]: per sweep its images' tiles transformed (v, w), then per
+// position the products over those tiles in order.
+SS_AVX512 void FilterGradImages(const ConvShape& g, const float* x, const float* dy, int64_t first, int64_t last, float* v,
+                                float* w, float* m) {
+  const int64_t tiles_w = (g.ow + 1) / 2, tiles = ((g.oh + 1) / 2) * tiles_w, per_sweep = ImagesPerSweep(g);
+  const int ob = BlockingOf(g.o).ob, cb = 16 / ob;  // 16 accumulators
+  for (int64_t n0 = first; n0 < last; n0 += per_sweep) {
+    const int64_t images = std::min(per_sweep, last - n0), k = images * tiles;
+    // (One vector more per position: strides of a power of two put the 16 positions' stores of a tile
+    // in one L1 set.)
+    const int64_t stride_v = k * g.c + kLanes, stride_w = k * g.o + kLanes;
+    for (int64_t i = 0; i < images; ++i) {
+      TransformInput(g, x + (n0 + i) * g.h * g.w * g.c, tiles_w, 0, tiles, stride_v, v + i * tiles * g.c);
+      TransformGrad(g, dy + (n0 + i) * g.oh * g.ow * g.o, tiles_w, 0, tiles, stride_w, w + i * tiles * g.o);
+    }
+    for (int p = 0; p < kPositions; ++p) {
+      const float* vp = v + p * stride_v;
+      const float* wp = w + p * stride_w;
+      float* mp = m + p * g.c * g.o;
+      for (int64_t c0 = 0; c0 < g.c; c0 += cb)
+        for (int64_t o0 = 0; o0 < g.o; o0 += ob * kLanes) {
+          if (ob == 4) AccumulateProduct<4, 4>(vp, wp, k, g.c, g.o, c0, o0, mp);
+          else if (ob == 2) AccumulateProduct<8, 2>(vp, wp, k, g.c, g.o, c0, o0, mp);
+          else AccumulateProduct<16, 1>(vp, wp, k, g.c, g.o, c0, o0, mp);
+        }
+    }
+  }
+}
+
+// dw[o][c] (3x3, OIHW) = G^T M G of m[p][c][o], 16 output channels per vector (scattered to OIHW).
+SS_AVX512 void TransformFilterGrad(const ConvShape& g, const float* m, float* dw) {
+  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int>(g.c * 9)));
+  const __m512 half = _mm512_set1_ps(0.5f);
+  for (int64_t c = 0; c < g.c; ++c)
+    for (int64_t o = 0; o < g.o; o += kLanes) {
+      __m512 q[3][4];  // G^T M
+      for (int j = 0; j < 4; ++j) {
+        const __m512 m0 = _mm512_loadu_ps(m + ((0 + j) * g.c + c) * g.o + o), m1 = _mm512_loadu_ps(m + ((4 + j) * g.c + c) * g.o + o);
+        const __m512 m2 = _mm512_loadu_ps(m + ((8 + j) * g.c + c) * g.o + o), m3 = _mm512_loadu_ps(m + ((12 + j) * g.c + c) * g.o + o);
+        const __m512 sum = _mm512_mul_ps(half, _mm512_add_ps(m1, m2));
+        q[0][j] = _mm512_add_ps(m0, sum);
+        q[1][j] = _mm512_mul_ps(half, _mm512_sub_ps(m1, m2));
+        q[2][j] = _mm512_add_ps(sum, m3);
+      }
+      float* out = dw + (o * g.c + c) * 9;
+      for (int k = 0; k < 3; ++k) {  // (G^T M) G
+        const __m512 sum = _mm512_mul_ps(half, _mm512_add_ps(q[k][1], q[k][2]));
+        _mm512_i32scatter_ps(out + 3 * k, lanes, _mm512_add_ps(q[k][0], sum), 4);
+        _mm512_i32scatter_ps(out + 3 * k + 1, lanes, _mm512_mul_ps(half, _mm512_sub_ps(q[k][1], q[k][2])), 4);
+        _mm512_i32scatter_ps(out + 3 * k + 2, lanes, _mm512_add_ps(sum, q[k][3]), 4);
+      }
+    }
+}
+
+// Whether any of v[0, n) is an inf or a NaN.
+bool AnyNonFinite(const float* v, int64_t n) {
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(v);
+  uint32_t found = 0;
+  for (int64_t i = 0; i < n; ++i) found |= static_cast<uint32_t>((u[i] & 0x7f800000u) == 0x7f800000u);
+  return found != 0;
 }
 
 }  // namespace
@@ -239,7 +372,7 @@ bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, flo
   const Blocking bl = BlockingOf(g.o);
   const int64_t tiles = ((g.oh + 1) / 2) * ((g.ow + 1) / 2);
   const int64_t groups = (tiles + bl.max_tiles - 1) / bl.max_tiles, per_group = (tiles + groups - 1) / groups;
-  const int64_t v_size = kPositions * per_group * g.c;
+  const int64_t v_size = kPositions * (per_group * g.c + kLanes);
   const int64_t image_in = g.h * g.w * g.c, image_out = g.oh * g.ow * g.o;
   std::atomic<bool> finite{true};
   const float* uu = u.data();
@@ -247,7 +380,7 @@ bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, flo
   // run its first image of a shape in any step, and then finds its scratch made.
   thread_local std::vector<std::vector<float>> caller_slots;
   std::vector<std::vector<float>>& slots = caller_slots;  // (in the tasks, the caller's: not their own)
-  const size_t need = static_cast<size_t>(v_size + kPositions * per_group * bl.ob * kLanes);
+  const size_t need = static_cast<size_t>(v_size + kPositions * (per_group * bl.ob * kLanes + kLanes));
   slots.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
   for (std::vector<float>& slot : slots)
     if (slot.size() < need) slot.resize(need);
@@ -259,6 +392,43 @@ bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, flo
       finite.store(false, std::memory_order_relaxed);
   });
   return finite.load();
+}
+
+}  // namespace shardstep::jit
+
+namespace shardstep::jit {
+
+bool WinogradNhwcFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw) {
+  // Fixed groups of images (as the other filter-gradient paths), each group's sums in one order
+  // (image, position, tile), the groups added in order: the same bits on any number of threads.
+  constexpr int64_t kGroups = 8;
+  const int64_t tiles = ((g.oh + 1) / 2) * ((g.ow + 1) / 2), part = kPositions * g.c * g.o;
+  const int64_t sweep = std::min(ImagesPerSweep(g), std::max<int64_t>(g.n, 1)) * tiles;
+  const int64_t v_size = kPositions * (sweep * g.c + kLanes), w_size = kPositions * (sweep * g.o + kLanes);
+  // Per calling thread: the groups' sums; per TBB thread slot: an image's transformed tiles.
+  thread_local std::vector<float> caller_parts;
+  thread_local std::vector<std::vector<float>> caller_slots;
+  std::vector<float>& parts = caller_parts;
+  std::vector<std::vector<float>>& slots = caller_slots;
+  if (static_cast<int64_t>(parts.size()) < kGroups * part) parts.resize(kGroups * part);
+  slots.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
+  for (std::vector<float>& slot : slots)
+    if (static_cast<int64_t>(slot.size()) < v_size + w_size) slot.resize(v_size + w_size);
+  const int64_t per_group = (g.n + kGroups - 1) / kGroups;
+  tbb::parallel_for(int64_t{0}, kGroups, [&](int64_t group) {
+    const int index = std::max(0, tbb::this_task_arena::current_thread_index());
+    SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond the Winograd loops' ", slots.size());
+    float* m = parts.data() + group * part;
+    std::fill_n(m, part, 0.0f);
+    float* scratch = slots[index].data();
+    FilterGradImages(g, x, dy, std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group), scratch,
+                     scratch + v_size, m);
+  });
+  float* m = parts.data();
+  for (int64_t group = 1; group < kGroups; ++group)
+    for (int64_t i = 0; i < part; ++i) m[i] += parts[group * part + i];
+  TransformFilterGrad(g, m, dw);
+  return !AnyNonFinite(dw, g.o * g.c * 9);
 }
 
 }  // namespace shardstep::jit

@@ -36,4 +36,9 @@ bool WinogradNhwcApplies(const ConvShape& g);
 // at its first call: no allocation afterwards.
 bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, float* y);
 
+// The filter gradient of the same convolution: x [n, h, w, c] and dy [n, h, w, o] (NHWC) -> dw [o, c,
+// 3, 3] (OIHW), dW = G^T [(A dY A^T) (.) (B^T d B)] G summed over the tiles, in fixed groups of images
+// added in order. Returns false when an element of dw is an inf or a NaN (the caller recomputes).
+bool WinogradNhwcFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw);
+
 }  // namespace shardstep::jit
