@@ -1,6 +1,6 @@
 // Winograd F(2x2, 3x3) convolution on channels-last (NHWC) activations, as AVX-512 loops: the forward
-// pass of a 3x3, stride-1, padding-1 convolution with input and output channels in multiples of 16
-// (and, through the turned filter, its input gradient: ConvKernel::RunTurned).
+// pass and the filter gradient of a 3x3, stride-1, padding-1 convolution with input and output channels
+// in multiples of 16 from 32 (and, through the turned filter, its input gradient: ConvKernel::RunTurned).
 //
 // oneDNN's direct kernels already run resnet20's convolutions at this CPU's f32 peak; Winograd's
 // F(2x2, 3x3) computes a 2x2 output tile with 16 multiplies per channel pair where the direct form
@@ -10,13 +10,16 @@
 // transformed (V = B^T d B, 16 positions x T tiles x C channels), one small product per position
 // (M[p] = V[p] U[p], the filter transformed once per call, U = G g G^T, [16][C][O]), and the output
 // transform (Y = A^T M A) stored straight into the NHWC output: the activations are read and written
-// once, as by the direct kernel.
+// once, as by the direct kernel. The filter gradient is the same identity transposed: dW = G^T [(A dY
+// A^T) (.) (B^T d B)] G summed over the tiles, the products over the tiles of several images per sweep.
+// With 16 channels the transforms cost as much as the multiplies they save (bench/conv: 0.93-1.45x the
+// direct kernel's time, slower in the step), so those stay on oneDNN and the 16-channel loops.
 //
 // Numbers: the transforms add and halve exactly up to f32 rounding; the result differs from the
 // direct sum in the last bits (within the conformance tolerance of the interpreter's, as oneDNN's
 // Winograd). One input inf or NaN spreads over its whole tile, where the direct sum confines it to the
 // outputs whose window holds it, and the filter's halvings can turn an inf weight into NaNs: the
-// caller checks the weights first, and the loops report an output that is not finite, so the caller
+// caller checks the weights first, and the loops report a result that is not finite, so the caller
 // computes such calls by its exact path. A tile's outputs depend on its place in the image, so two
 // equal input patches can give different outputs in their last bits: not for a module with max
 // pooling (ConvTies::kExact). Each output is computed by one fixed sequence of operations whatever
@@ -27,8 +30,8 @@
 
 namespace shardstep::jit {
 
-// Whether these loops compute this forward convolution (3x3, stride 1, padding 1, input and output
-// channels multiples of 16 up to 256) on this CPU (AVX-512 Foundation, read once per process).
+// Whether these loops compute this convolution (3x3, stride 1, padding 1, input and output channels
+// multiples of 16 from 32 up to 256) on this CPU (AVX-512 Foundation, read once per process).
 bool WinogradNhwcApplies(const ConvShape& g);
 
 // x [n, h, w, c] (NHWC), w [o, c, 3, 3] (OIHW, finite) -> y [n, h, w, o] (NHWC). Returns false when an
