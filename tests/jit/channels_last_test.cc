@@ -17,8 +17,10 @@
 #include "jit/compiled_step.h"
 #include "jit/data_movement.h"
 #include "runtime/interpreter.h"
+#include "tests/jit/conv_test_util.h"
 
 using namespace shardstep;
+using conv_test::RandomF32;
 using ir::DType;
 using ir::IntList;
 using ir::OpCode;
@@ -29,14 +31,6 @@ using runtime::TensorMap;
 namespace {
 
 constexpr int64_t kN = 5, kH = 6, kW = 7;
-
-Tensor RandomF32(ir::Shape s, uint32_t seed) {
-  Tensor t(ir::TensorType{DType::kF32, std::move(s)});
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (float& v : t.f32) v = u(rng);
-  return t;
-}
 
 // x -> conv(w1) -> batch-norm arithmetic (mean and variance over N, H, W) -> + a per-position bias
 // -> relu -> conv(w2) -> + x

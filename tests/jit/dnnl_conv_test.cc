@@ -18,8 +18,12 @@
 #include "jit/dnnl_kernels.h"
 #include "runtime/interpreter.h"
 #include "tests/jit/conformance_compare.h"
+#include "tests/jit/conv_test_util.h"
 
 using namespace shardstep;
+using conv_test::RandomF32;
+using conv_test::Abs;
+using conv_test::SameBits;
 using conformance::Compare;
 using conformance::Tolerance;
 using ir::DType;
@@ -35,14 +39,6 @@ struct Geometry {
   int64_t oh() const { return (h + 2 * pad - kh) / stride + 1; }
   int64_t ow() const { return (w + 2 * pad - kw) / stride + 1; }
 };
-
-Tensor RandomF32(ir::Shape s, uint32_t seed) {
-  Tensor t(ir::TensorType{DType::kF32, std::move(s)});
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (float& v : t.f32) v = u(rng);
-  return t;
-}
 
 // A one-op module: `op` on inputs a, b with g's stride and padding; the out's shape by inference.
 ir::Module OneOp(OpCode op, const Geometry& g) {
@@ -78,12 +74,6 @@ Tensor Interpret(const ir::Module& m, const TensorMap& in) {
   return runtime::RunStep(m, vars, in).at("out");
 }
 
-TensorMap Abs(TensorMap in) {
-  for (auto& [name, t] : in)
-    for (float& v : t.f32) v = std::abs(v);
-  return in;
-}
-
 int64_t Terms(OpCode op, const Geometry& g) {  // products summed into one result element (an upper bound)
   if (op == OpCode::kConv2d) return g.c * g.kh * g.kw;
   if (op == OpCode::kConv2dInputGrad) return g.o * g.kh * g.kw;
@@ -97,10 +87,6 @@ jit::ConvKind KindOf(OpCode op) {
 
 jit::ConvShape ShapeOf(const Geometry& g) {
   return {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.stride, g.stride, g.pad, g.pad, g.oh(), g.ow()};
-}
-
-bool SameBits(const Tensor& a, const Tensor& b) {
-  return a.type == b.type && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
 }
 
 }  // namespace

@@ -19,8 +19,12 @@
 #include "jit/nhwc16_filter_grad.h"
 #include "runtime/interpreter.h"
 #include "tests/jit/conformance_compare.h"
+#include "tests/jit/conv_test_util.h"
 
 using namespace shardstep;
+using conv_test::RandomF32;
+using conv_test::Abs;
+using conv_test::SameBits;
 using conformance::Compare;
 using conformance::Tolerance;
 using ir::DType;
@@ -57,14 +61,6 @@ ir::Module OneOp(OpCode op, const Case& k) {
   return m;
 }
 
-Tensor RandomF32(ir::Shape s, uint32_t seed) {
-  Tensor t(ir::TensorType{DType::kF32, std::move(s)});
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (float& v : t.f32) v = u(rng);
-  return t;
-}
-
 std::vector<float> ToNhwc(const Tensor& t, const Case& k) {
   std::vector<float> y(t.f32.size());
   jit::NchwToNhwc(t.f32.data(), k.n, kC, k.h * k.w, y.data());
@@ -84,16 +80,6 @@ Tensor RunNhwc(const jit::ConvKernel& kernel, OpCode op, const Case& k, const Te
     jit::NhwcToNchw(nhwc.data(), k.n, kC, k.h * k.w, out.f32.data());
   }
   return out;
-}
-
-TensorMap Abs(TensorMap in) {
-  for (auto& [name, t] : in)
-    for (float& v : t.f32) v = std::abs(v);
-  return in;
-}
-
-bool SameBits(const Tensor& a, const Tensor& b) {
-  return a.type == b.type && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
 }
 
 }  // namespace

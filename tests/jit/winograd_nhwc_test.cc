@@ -21,8 +21,12 @@
 #include "jit/winograd_nhwc.h"
 #include "runtime/interpreter.h"
 #include "tests/jit/conformance_compare.h"
+#include "tests/jit/conv_test_util.h"
 
 using namespace shardstep;
+using conv_test::RandomF32;
+using conv_test::Abs;
+using conv_test::SameBits;
 using conformance::Compare;
 using conformance::Tolerance;
 using ir::DType;
@@ -52,24 +56,6 @@ ir::Module OneOp(OpCode op, const Case& k) {
   if (op == OpCode::kConv2dFilterGrad) attrs["filter_shape"] = IntList(w.begin(), w.end());
   m.outputs.push_back({"out", b.Emit(op, {a, c}, attrs)});
   return m;
-}
-
-Tensor RandomF32(ir::Shape s, uint32_t seed) {
-  Tensor t(ir::TensorType{DType::kF32, std::move(s)});
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-1, 1);
-  for (float& v : t.f32) v = u(rng);
-  return t;
-}
-
-TensorMap Abs(TensorMap in) {
-  for (auto& [name, t] : in)
-    for (float& v : t.f32) v = std::abs(v);
-  return in;
-}
-
-bool SameBits(const Tensor& a, const Tensor& b) {
-  return a.type == b.type && std::memcmp(a.raw(), b.raw(), a.bytes()) == 0;
 }
 
 // f(a_nhwc, b, out) on the NHWC form of input a (channels ca), the output (channels co) back NCHW; for
