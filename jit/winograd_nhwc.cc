@@ -1,4 +1,5 @@
-// Winograd F(2x2, 3x3) on NHWC activations as AVX-512 loops (see winograd_nhwc.h).
+// Winograd F(2x2, 3x3) on NHWC activations as AVX-512 loops (see winograd_nhwc.h): the forward pass,
+// then the filter gradient.
 #include "jit/winograd_nhwc.h"
 
 #include <immintrin.h>
@@ -8,8 +9,8 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -66,9 +67,6 @@ Blocking BlockingOf(int64_t o) {
   return {1, 16};
 }
 
-// Input tiles [first, first + count) of one image into v[p][t][c] (t < count): d is the 4x4 patch
-// whose top-left input is (2 ty - 1, 2 tx - 1), zeros outside the image; V = B^T d B with
-// B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
 // Output tiles walked in row-major order: one division per call, not two per tile (an integer
 // division costs about what a tile's input transform does with 16 channels).
 struct TileWalk {
@@ -98,6 +96,9 @@ SS_AVX512 inline void TransformPatch(const __m512 (&d)[4][4], int64_t stride_t, 
   }
 }
 
+// Input tiles [first, first + count) of one image into v[p][t][c] (t < count): d is the 4x4 patch
+// whose top-left input is (2 ty - 1, 2 tx - 1), zeros outside the image; V = B^T d B with
+// B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
 SS_AVX512 void TransformInput(const ConvShape& g, const float* x, int64_t tiles_w, int64_t first, int64_t count,
                               int64_t stride_t, float* v) {
   const int64_t c_all = g.c;
@@ -405,10 +406,6 @@ bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, flo
   });
   return finite.load();
 }
-
-}  // namespace shardstep::jit
-
-namespace shardstep::jit {
 
 bool WinogradNhwcFilterGrad(const ConvShape& g, const float* x, const float* dy, float* dw) {
   // Fixed groups of images (as the other filter-gradient paths), each group's sums in one order
