@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -124,8 +125,11 @@ template <typename = void>
 // vector, each lane's sum in key order as the interpreter's, and no horizontal reductions per row.
 // A causal block of 16 queries stops at its last query's key (the rest of its column is 0).
 
+// With bf16 (non-null) each probability is also stored rounded to bf16 there (the products' operand) in
+// the same pass; the gradient's loop then stores ds^T only rounded (bf16 products read no f32 ds^T).
+
 // Generic form (any t): the same operations per element, one query at a time.
-void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool causal) {
+void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16) {
   for (int64_t h = 0; h < heads; ++h) {
     float* x = st + h * t * t;
     for (int64_t i = 0; i < t; ++i) {
@@ -139,12 +143,15 @@ void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool c
       double total = 0;
       for (int64_t j = 0; j < n; ++j) total += x[j * t + i] = ExpBody(x[j * t + i] - m);
       const float r = 1.0f / static_cast<float>(total);
-      for (int64_t j = 0; j < t; ++j) x[j * t + i] = j < n ? x[j * t + i] * r : 0.0f;
+      for (int64_t j = 0; j < t; ++j) {
+        x[j * t + i] = j < n ? x[j * t + i] * r : 0.0f;
+        if (bf16) bf16[h * t * t + j * t + i] = ToBf16(x[j * t + i]);
+      }
     }
   }
 }
 // dst[j, i] = pt[j, i] (dst[j, i] - sum over j of dst[j, i] pt[j, i]) * scale, dst holding dp^T.
-void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t t, float scale) {
+void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
   for (int64_t h = 0; h < heads; ++h) {
     const float* p = pt + h * t * t;
     float* g = dst + h * t * t;
@@ -152,7 +159,11 @@ void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t 
       double dot = 0;
       for (int64_t j = 0; j < t; ++j) dot += double(g[j * t + i]) * double(p[j * t + i]);
       const float rowdot = static_cast<float>(dot);
-      for (int64_t j = 0; j < t; ++j) g[j * t + i] = p[j * t + i] * (g[j * t + i] - rowdot) * scale;
+      for (int64_t j = 0; j < t; ++j) {
+        const float ds = p[j * t + i] * (g[j * t + i] - rowdot) * scale;
+        if (bf16) bf16[h * t * t + j * t + i] = ToBf16(ds);
+        else g[j * t + i] = ds;
+      }
     }
   }
 }
@@ -161,7 +172,7 @@ void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t 
 // reports as maybe uninitialized once inlined here: a false positive, silenced for these functions only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define SS_AVX512 __attribute__((target("avx512f,avx512dq,fma")))
+#define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
 // ExpBody on 16 lanes.
 SS_AVX512 inline __m512 Exp16(__m512 x) {
   const ExpCoefficients& c = kExpCoefficients;
@@ -194,12 +205,22 @@ SS_AVX512 inline __m512 ToFloats(__m512d lo, __m512d hi) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
 }
 
+// ToBf16 on 16 lanes, stored as 16 bf16.
+SS_AVX512 inline void StoreBf16(uint16_t* y, __m512 x) {
+  const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, hi, _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(r));
+}
+
 // The lanes (queries) that see key j.
 SS_AVX512 inline __mmask16 Keep(bool causal, __m512i query, int64_t j) {
   return causal ? _mm512_cmpge_epi32_mask(query, _mm512_set1_epi32(static_cast<int32_t>(j))) : __mmask16(0xffff);
 }
 
-SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal) {
+SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16) {
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t h = 0; h < heads; ++h) {
@@ -223,15 +244,21 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
         hi = _mm512_add_pd(hi, Hi(e));
       }
       const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), ToFloats(lo, hi));
+      uint16_t* xb = bf16 ? bf16 + h * t * t : nullptr;
       for (int64_t j = 0; j < keys; ++j) {
         float* c = x + j * t + i0;
-        _mm512_storeu_ps(c, _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r));
+        const __m512 pv = _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r);
+        _mm512_storeu_ps(c, pv);
+        if (xb) StoreBf16(xb + j * t + i0, pv);
       }
-      for (int64_t j = keys; j < t; ++j) _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());
+      for (int64_t j = keys; j < t; ++j) {
+        _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());
+        if (xb) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + j * t + i0), _mm256_setzero_si256());
+      }
     }
   }
 }
-SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, int64_t t, float scale) {
+SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < heads; ++h) {
     const float* p = pt + h * t * t;
@@ -247,7 +274,9 @@ SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, 
       for (int64_t j = 0; j < t; ++j) {
         float* c = g + j * t + i0;
         const __m512 pv = _mm512_loadu_ps(p + j * t + i0);
-        _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(c), rowdot)), vscale));
+        const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(c), rowdot)), vscale);
+        if (bf16) StoreBf16(bf16 + h * t * t + j * t + i0, ds);
+        else _mm512_storeu_ps(c, ds);
       }
     }
   }
@@ -267,15 +296,17 @@ bool Avx512() {
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
   return on;
 }
-void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal) {
-  if (Avx512() && t % 16 == 0) return SoftmaxColumns16(st, heads, t, scale, causal);
-  SoftmaxColumnsBase(st, heads, t, scale, causal);
+void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16) {
+  if (Avx512() && t % 16 == 0) return SoftmaxColumns16(st, heads, t, scale, causal, bf16);
+  SoftmaxColumnsBase(st, heads, t, scale, causal, bf16);
 }
-void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale) {
-  if (Avx512() && t % 16 == 0) return SoftmaxGradColumns16(pt, dst, heads, t, scale);
-  SoftmaxGradColumnsBase(pt, dst, heads, t, scale);
+void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
+  if (Avx512() && t % 16 == 0) return SoftmaxGradColumns16(pt, dst, heads, t, scale, bf16);
+  SoftmaxGradColumnsBase(pt, dst, heads, t, scale, bf16);
 }
 void Round(const float* x, int64_t n, uint16_t* y) { Avx512() ? RoundAvx512(x, n, y) : RoundBody(x, n, y); }
+
+std::atomic<bool> g_separate_rounding{false};  // SeparateRoundingForTesting
 
 // The three product forms a group runs: kScoresT (a b^T: s^T = k q^T, dp^T = v dout^T), kTransA (a^T b:
 // out = p v, dq = ds k, from the stored transposes), kPlain (a b: dv = p^T dout, dk = ds^T q).
@@ -351,22 +382,28 @@ const void* Operand(const AttentionShape& s, const void* x, int64_t at, int64_t 
   return copy.data();
 }
 
-// p^T (or ds^T) as the products take it: f32 in place, or rounded to bf16.
+// p^T or ds^T as the products take it: f32 in place, or its bf16 copy (rounded by the softmax loop that
+// made it, or by a pass of its own with SeparateRoundingForTesting).
 const void* ProductOperand(const AttentionShape& s, const float* x, int64_t n, std::vector<uint16_t>& copy) {
   if (!s.bf16) return x;
-  Round(x, n, copy.data());
+  if (g_separate_rounding) Round(x, n, copy.data());
   return copy.data();
 }
+uint16_t* FusedRounding(const AttentionShape& s, std::vector<uint16_t>& copy) {
+  return s.bf16 && !g_separate_rounding ? copy.data() : nullptr;
+}
 
-// The group's probabilities transposed, p^T [g, keys, queries] (f32, in slot.s): s^T = k q^T, softmax down
-// the columns.
+// The group's probabilities transposed, p^T [g, keys, queries] (f32, in slot.s; bf16: also rounded in
+// slot.p): s^T = k q^T, softmax down the columns.
 const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot, const void* q, const void* k) {
   Run(slot, plan, kScoresT, k, q, slot.s.data());
-  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal);
+  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal, FusedRounding(s, slot.p));
   return slot.s.data();
 }
 
 }  // namespace
+
+void SeparateRoundingForTesting(bool on) { g_separate_rounding = on; }
 
 void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, float* out) {
   if (s.heads == 0 || s.t == 0 || s.d == 0) return;
@@ -399,7 +436,7 @@ void AttentionBackward(const AttentionShape& s, const void* q, const void* k, co
     Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, out + 2 * total + at);  // dv = p^T dout
     float* dst = slot.dp.data();
     Run(slot, plan, kScoresT, vg, dg, dst);         // dp^T = v dout^T
-    SoftmaxGradColumns(pt, dst, g, s.t, s.scale);  // ds^T
+    SoftmaxGradColumns(pt, dst, g, s.t, s.scale, FusedRounding(s, slot.ds));  // ds^T
     const void* ds = ProductOperand(s, dst, g * tt, slot.ds);
     Run(slot, plan, kTransA, ds, kg, out + at);          // dq = ds k
     Run(slot, plan, kPlain, ds, qg, out + total + at);  // dk = ds^T q

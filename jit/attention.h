@@ -28,4 +28,8 @@ void AttentionForward(const AttentionShape& s, const void* q, const void* k, con
 void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
                        float* out);
 
+// With bf16, p^T and ds^T are rounded to bf16 as the softmax loops write them; on (tests only), by a
+// separate pass over each instead, the form before: both must give the same bits.
+void SeparateRoundingForTesting(bool on);
+
 }  // namespace shardstep::jit
