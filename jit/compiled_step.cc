@@ -107,6 +107,11 @@ constexpr const char* kEmitterVersion = "shardstep-jit-" SS_JIT_SOURCE_HASH;
 // four or more rows of batch norm's H*W: 4096 measured fastest on resnet20 against 2048, 8192 and
 // 16384), and reductions per kernel (data_movement.cc FusedSums).
 constexpr int64_t kFusedWindow = 4096;
+// Rows longer than a window (a sum over a vocabulary's logits) are produced four at a time when four fit
+// in this many elements: FusedSums then sums them as Reduce does, four rows in flight (Lanes4), where
+// one row at a time waits on one chain of adds (bert's cross-entropy sum over 8192 logits, 4096 rows:
+// fused 8.1 ms against 5.7 for the loop and Reduce apart).
+constexpr int64_t kLongRowWindow = int64_t{1} << 16;
 constexpr int kMaxFusedReductions = 8;
 constexpr int64_t kArenaAlign = 64;
 
@@ -967,6 +972,9 @@ void CompiledStep::FuseReductions(const std::vector<int>& kernel_of, std::vector
       reduce_groups_.emplace_back();
       reduce_groups_.back().kernel = kk;
       reduce_groups_.back().layout = layout;
+      reduce_groups_.back().window = kFusedWindow;
+      if (layout.inner == 0 && layout.n > kFusedWindow && 4 * layout.n <= kLongRowWindow)
+        reduce_groups_.back().window = 4 * layout.n;
       reduce_group_of_kernel_[kk] = g;
       axes_of[kk] = axes;
     }
@@ -1369,11 +1377,11 @@ void CompiledStep::Allocate(Workspace* ws) const {
   for (const ReduceGroup& g : reduce_groups_) {
     const FusedKernel& k = kernels_[g.kernel];
     bufs = std::max(bufs, k.inputs.size() + k.outputs.size());
-    windows = std::max(windows, static_cast<size_t>(g.windows));
+    windows = std::max(windows, static_cast<size_t>(g.windows * g.window));
   }
   ws->fused_bufs.assign(ws->thread_slots * bufs, nullptr);
   ws->fused_operands.assign(ws->thread_slots * kMaxFusedReductions, nullptr);
-  ws->fused_windows.assign(ws->thread_slots * windows * kFusedWindow, 0.0f);
+  ws->fused_windows.assign(ws->thread_slots * windows, 0.0f);
   char* base = ArenaBase(ws);
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
@@ -1404,12 +1412,12 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
     const int slot = std::max(0, tbb::this_task_arena::current_thread_index());
     SS_CHECK(slot < ws->thread_slots, "thread slot ", slot, " beyond the workspace's ", ws->thread_slots);
     void** bufs = ws->fused_bufs.data() + slot * nbuf;
-    float* windows = ws->fused_windows.data() + static_cast<size_t>(slot) * g.windows * kFusedWindow;
+    float* windows = ws->fused_windows.data() + static_cast<size_t>(slot) * (ws->fused_windows.size() / ws->thread_slots);
     for (size_t j = 0; j < nin; ++j) bufs[j] = ws->ptr[k.inputs[j]];
     for (size_t j = 0; j < k.outputs.size(); ++j) {
       // The kernel writes element e at bufs[nin + j][e]: a window's base is moved back by e0 elements
       // (integer arithmetic; only elements [e0, e1) are written, all inside the window).
-      bufs[nin + j] = g.windowed[j] ? reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(windows + g.window_of[j] * kFusedWindow) -
+      bufs[nin + j] = g.windowed[j] ? reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(windows + g.window_of[j] * g.window) -
                                                               static_cast<uintptr_t>(e0) * sizeof(float))
                                     : ws->ptr[k.outputs[j]];
     }
@@ -1417,7 +1425,7 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
     const float** operands = ws->fused_operands.data() + slot * kMaxFusedReductions;
     for (int r = 0; r < count; ++r) {
       const int j = g.operand[r];
-      operands[r] = g.windowed[j] ? windows + g.window_of[j] * kFusedWindow : static_cast<const float*>(ws->ptr[k.outputs[j]]) + e0;
+      operands[r] = g.windowed[j] ? windows + g.window_of[j] * g.window : static_cast<const float*>(ws->ptr[k.outputs[j]]) + e0;
     }
     return operands;
   };
@@ -1427,7 +1435,7 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
     mean[r] = m_.at(g.reductions[r]).op == OpCode::kReduceMean;
     out[r] = static_cast<float*>(ws->ptr[g.reductions[r]]);
   }
-  FusedSums(g.layout, count, mean, out, kFusedWindow, produce, ws->scratch);
+  FusedSums(g.layout, count, mean, out, g.window, produce, ws->scratch);
 }
 
 void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtime::Collectives* c, Workspace* ws,

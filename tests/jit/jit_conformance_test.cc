@@ -1768,15 +1768,16 @@ TEST_CASE("broadcasts read per row or per element in fused loops are bitwise equ
 // Reductions run inside the fused loop that produces their operand (jit/compiled_step.cc
 // FuseReductions, jit/data_movement.cc FusedSums) sum the same terms in the same order as Reduce on
 // the materialised operand: the bits are equal with and without the fusion, in every layout (rows
-// along a reduced last axis, grouped four at a time or alone; rows longer than a window, cut into
-// windows; a kept last axis), with an operand that is also read elsewhere (materialised and reduced)
+// along a reduced last axis, grouped four at a time or alone; rows longer than a window, four to a
+// larger window (9000) or cut into windows (20000); a kept last axis), with an operand that is also
+// read elsewhere (materialised and reduced)
 // and one read only by its reductions (never materialised), several sums of one loop in one pass.
 TEST_CASE("reductions fused with the loops producing their operands give the unfused bits", "[jit]") {
   struct Layout {
     ir::Shape x;
     IntList axes;
   };
-  for (const Layout& l : {Layout{{64, 16, 28, 28}, {0, 2, 3}}, Layout{{2, 3, 7, 7}, {0, 2, 3}}, Layout{{3, 9000}, {1}},
+  for (const Layout& l : {Layout{{64, 16, 28, 28}, {0, 2, 3}}, Layout{{2, 3, 7, 7}, {0, 2, 3}}, Layout{{3, 9000}, {1}}, Layout{{6, 9000}, {1}}, Layout{{5, 20000}, {1}},
                           Layout{{300, 40}, {0}}, Layout{{5, 6, 7}, {0, 1, 2}}, Layout{{40, 30, 50}, {1}},
                           // one long reduced row: cut into segments (8320 elements), and not (no multiple of
                           // 8 divides 2 x 70001)
