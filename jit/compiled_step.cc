@@ -103,15 +103,24 @@ namespace {
 // Changes with every change to jit/ (a build-time hash of its sources), so stale cache entries are
 // never used.
 constexpr const char* kEmitterVersion = "shardstep-jit-" SS_JIT_SOURCE_HASH;
-// Fused reductions: elements per window (a multiple of 8; 16 KB per windowed operand and thread, and
-// four or more rows of batch norm's H*W: 4096 measured fastest on resnet20 against 2048, 8192 and
-// 16384), and reductions per kernel (data_movement.cc FusedSums).
-constexpr int64_t kFusedWindow = 4096;
-// Rows longer than a window (a sum over a vocabulary's logits) are produced four at a time when four fit
-// in this many elements: FusedSums then sums them as Reduce does, four rows in flight (Lanes4), where
-// one row at a time waits on one chain of adds (bert's cross-entropy sum over 8192 logits, 4096 rows:
-// fused 8.1 ms against 5.7 for the loop and Reduce apart).
-constexpr int64_t kLongRowWindow = int64_t{1} << 16;
+// Fused reductions: elements per window (multiples of 8), and reductions per kernel (data_movement.cc
+// FusedSums). The kernel stops at each window's end for the sums, so its input streams restart there.
+//  - Channels-last batch norm's sums (a kept last axis of <= 64 channels): 4096 (16 KB per windowed
+//    operand and thread, L1; measured fastest on resnet20 against 2048, 8192 and 16384).
+//  - Every other layout: a whole block of rows at a time (ReduceLayout's ~64K elements). transformer_lm's
+//    sums (layer norm's rows of 128, the bias gradients' columns of 128-512) ran 1.0-1.5 ms per step
+//    faster than with 4096 (f32 and bf16 alike, SHARDSTEP_JIT_PROFILE, two runs each); with 4096 the
+//    GELU-backward-and-bias-sum loops of the bf16 step were slower fused than apart.
+//  - Rows longer than a quarter of that (a sum over a vocabulary's logits): four rows per window while
+//    four fit in kLongRowWindow, so FusedSums sums them as Reduce does, four rows in flight (Lanes4),
+//    where one row at a time waits on one chain of adds (bert's cross-entropy sum over 8192 logits:
+//    fused 8.1 ms a step against 5.7 for the loop and Reduce apart); longer rows are cut into windows.
+constexpr int64_t kChannelWindow = 4096, kBlockWindow = int64_t{1} << 16, kLongRowWindow = int64_t{1} << 18;
+int64_t FusedWindow(const ReduceLayout& l) {
+  if (l.inner != 0 && l.n <= 64) return kChannelWindow;
+  if (l.inner == 0 && 4 * l.n > kBlockWindow && 4 * l.n <= kLongRowWindow) return (4 * l.n + 7) / 8 * 8;
+  return kBlockWindow;
+}
 constexpr int kMaxFusedReductions = 8;
 constexpr int64_t kArenaAlign = 64;
 
@@ -972,9 +981,7 @@ void CompiledStep::FuseReductions(const std::vector<int>& kernel_of, std::vector
       reduce_groups_.emplace_back();
       reduce_groups_.back().kernel = kk;
       reduce_groups_.back().layout = layout;
-      reduce_groups_.back().window = kFusedWindow;
-      if (layout.inner == 0 && layout.n > kFusedWindow && 4 * layout.n <= kLongRowWindow)
-        reduce_groups_.back().window = 4 * layout.n;
+      reduce_groups_.back().window = FusedWindow(layout);
       reduce_group_of_kernel_[kk] = g;
       axes_of[kk] = axes;
     }

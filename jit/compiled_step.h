@@ -238,7 +238,7 @@ class CompiledStep {
     std::vector<char> windowed;    // per kernel output: written to the window only
     std::vector<int> window_of;    // per kernel output: its window's index, or -1
     int windows = 0;
-    int64_t window = 0;  // elements per window (kFusedWindow, or four long rows)
+    int64_t window = 0;  // elements per window (compiled_step.cc FusedWindow)
     ReduceLayout layout;
   };
   std::vector<ReduceGroup> reduce_groups_;

@@ -1768,9 +1768,9 @@ TEST_CASE("broadcasts read per row or per element in fused loops are bitwise equ
 // Reductions run inside the fused loop that produces their operand (jit/compiled_step.cc
 // FuseReductions, jit/data_movement.cc FusedSums) sum the same terms in the same order as Reduce on
 // the materialised operand: the bits are equal with and without the fusion, in every layout (rows
-// along a reduced last axis, grouped four at a time or alone; rows longer than a window, four to a
-// larger window (9000) or cut into windows (20000); a kept last axis), with an operand that is also
-// read elsewhere (materialised and reduced)
+// along a reduced last axis, grouped four at a time or alone; long rows four to a window (20000) or
+// cut into windows (2 x 70001); a kept last axis), with an operand that is also read elsewhere
+// (materialised and reduced)
 // and one read only by its reductions (never materialised), several sums of one loop in one pass.
 TEST_CASE("reductions fused with the loops producing their operands give the unfused bits", "[jit]") {
   struct Layout {
