@@ -116,6 +116,11 @@ class Emitter {
 
   // f rounded to the nearest bf16, kept as f32 (the value every bf16-typed member holds).
   llvm::Value* RoundBf16(llvm::IRBuilder<>& b, llvm::Value* f) { return Widen(b, Bf16Bits(b, f), DType::kBF16); }
+  // The bf16 bits of an f32 that already holds a bf16 value (RoundBf16's result, a widened load or a
+  // rounded constant: low 16 bits zero, a NaN already quiet): its top half, no second rounding.
+  llvm::Value* HeldBf16Bits(llvm::IRBuilder<>& b, llvm::Value* f) {
+    return b.CreateTrunc(b.CreateLShr(b.CreateBitCast(f, b.getInt32Ty()), 16), b.getInt16Ty());
+  }
 
   // A broadcast member read through an index map (not a scalar, a constant or a group value).
   bool Gathers(const ir::Instr& in, const std::unordered_map<ValueId, llvm::Value*>& scalar) const {
@@ -278,7 +283,7 @@ class Emitter {
       for (size_t j = 0; j < k.outputs.size(); ++j) {
         const ValueId v = k.outputs[j];
         llvm::Type* t = ElemTy(m_.type(v).dtype);
-        llvm::Value* x = m_.type(v).dtype == DType::kBF16 ? Bf16Bits(b, val.at(v)) : val.at(v);  // exact: rounded above
+        llvm::Value* x = m_.type(v).dtype == DType::kBF16 ? HeldBf16Bits(b, val.at(v)) : val.at(v);  // rounded above
         // In place: through the input's own pointer, so the vectoriser sees one array read then written
         // at the same index (no runtime alias check), and the noalias parameters stay true.
         const int into = j < k.store_into.size() ? k.store_into[j] : -1;
