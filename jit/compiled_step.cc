@@ -241,6 +241,7 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
     return Lowering::kNative;  // bf16 operands read in place (ReadBf16OperandsInPlace; by the dtypes: this runs
                                // per step, and the attribute's name would allocate)
   if (in.op == OpCode::kTranspose && in.Has(kRoundsAttr)) return Lowering::kNative;  // RoundInTransposes
+  if (in.op == OpCode::kTranspose && in.type.dtype == DType::kBF16) return Lowering::kNative;  // 2-byte copies
   if (bf16 && in.op != OpCode::kReshape && !ir::HasProperty(in.op, ir::kCollective)) return Lowering::kReference;
   switch (in.op) {
     case OpCode::kReshape: return Lowering::kAlias;
@@ -1305,6 +1306,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   const auto t0 = std::chrono::steady_clock::now();
   ir::Module m = module;
   RoundBeforeReshapes(m);
+  RoundInProducers(m);
   RoundInTransposes(m);
   ReadBf16OperandsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
@@ -1540,6 +1542,8 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       for (size_t i = 0; i < perm.size(); ++i) ss[i] = is[perm[i]];
       if (in.Has(kRoundsAttr))
         StridedGatherToBf16(in.type.shape, static_cast<const float*>(P(0)), ss, static_cast<uint16_t*>(out));
+      else if (in.type.dtype == DType::kBF16)
+        StridedGather16(in.type.shape, static_cast<const uint16_t*>(P(0)), ss, static_cast<uint16_t*>(out));
       else
         StridedGather(in.type.shape, U(0), ss, uo);
       return;

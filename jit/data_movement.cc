@@ -190,6 +190,17 @@ void StridedGather(const Shape& shape, const uint32_t* src, const Strides& ss, u
   });
 }
 
+// Elements of 2 bytes (bf16): rows of contiguous runs are memcpy'd (the heads' rows of 32 bf16).
+void StridedGather16(const Shape& shape, const uint16_t* src, const Strides& ss, uint16_t* dst) {
+  GatherRows(shape, src, ss, dst, [](const uint16_t* s, int64_t si, int64_t step, int64_t n, int64_t rows, uint16_t* d) {
+    for (int64_t r = 0; r < rows; ++r, s += step, d += n) {
+      if (si == 1) std::memcpy(d, s, static_cast<size_t>(n) * sizeof(uint16_t));
+      else if (si == 0) std::fill(d, d + n, s[0]);
+      else for (int64_t k = 0; k < n; ++k) d[k] = s[k * si];
+    }
+  });
+}
+
 void StridedGatherToBf16(const Shape& shape, const float* src, const Strides& ss, uint16_t* dst) {
   GatherRows(shape, src, ss, dst, [](const float* s, int64_t si, int64_t step, int64_t n, int64_t rows, uint16_t* d) {
     if (si == 1) return RoundRows(s, step, n, rows, d);

@@ -43,6 +43,8 @@ void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y);
 
 // dst (row-major over `shape`) = src read through `ss`; elements are 4 bytes (f32 or s32).
 void StridedGather(const ir::Shape& shape, const uint32_t* src, const Strides& ss, uint32_t* dst);
+// The same for 2-byte elements (bf16): a transpose of values already rounded (RoundInProducers).
+void StridedGather16(const ir::Shape& shape, const uint16_t* src, const Strides& ss, uint16_t* dst);
 // The same from f32 to bf16, each element rounded to nearest even (runtime::F32ToBf16's bits): a
 // transpose that also rounds a bf16 matmul's operand (step_rewrites.h RoundInTransposes).
 void StridedGatherToBf16(const ir::Shape& shape, const float* src, const Strides& ss, uint16_t* dst);

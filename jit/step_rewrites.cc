@@ -90,6 +90,45 @@ void RoundBeforeReshapes(ir::Module& m) {
   if (changed) m.Canonicalize();
 }
 
+void RoundInProducers(ir::Module& m) {
+  const auto users = m.Users();
+  std::vector<char> kept(m.size(), 0);  // returned or assigned: stays in memory in f32
+  for (const auto& [name, v] : m.outputs) kept[v] = 1;
+  for (const auto& [var, v] : m.assigns) kept[v] = 1;
+  auto only_reader = [&](ValueId x) { return users[x].size() == 1 && !kept[x]; };
+  bool changed = false;
+  const int n = m.size();
+  for (ValueId c = 0; c < n; ++c) {
+    if (m.at(c).op != OpCode::kConvert || m.at(c).type.dtype != DType::kBF16) continue;
+    std::vector<ValueId> chain;  // the reshapes and the transpose, from the convert's operand down to x
+    ValueId x = m.at(c).operands[0];
+    while (m.at(x).op == OpCode::kReshape && only_reader(x)) chain.push_back(x), x = m.at(x).operands[0];
+    if (m.at(x).op != OpCode::kTranspose || m.at(x).type.dtype != DType::kF32 || !only_reader(x)) continue;
+    chain.push_back(x);
+    x = m.at(x).operands[0];
+    while (m.at(x).op == OpCode::kReshape && only_reader(x)) chain.push_back(x), x = m.at(x).operands[0];
+    const ir::Instr& producer = m.at(x);
+    if (producer.type.dtype != DType::kF32 || !only_reader(x) || producer.op == OpCode::kBroadcast ||
+        producer.op == OpCode::kConvert || !ir::HasProperty(producer.op, ir::kElementwise) || !ir::IsFusible(m, x))
+      continue;
+    ir::Instr round = m.at(c);  // copies: Append may move the instructions
+    round.operands = {x};
+    round.type = ir::TensorType{DType::kBF16, producer.type.shape};
+    round.attrs.erase(ir::kFusionAttr);
+    ValueId v = m.Append(round);
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      ir::Instr link = m.at(*it);
+      link.operands = {v};
+      link.type.dtype = DType::kBF16;
+      link.attrs.erase(ir::kFusionAttr);
+      v = m.Append(link);
+    }
+    m.ReplaceAllUses(c, v);
+    changed = true;
+  }
+  if (changed) m.Canonicalize();
+}
+
 void RoundInTransposes(ir::Module& m) {
   const auto users = m.Users();
   auto only_reader = [&](ValueId x) { return users[x].size() == 1; };

@@ -22,6 +22,13 @@ inline constexpr const char* kReluMaskAttr = "jit_relu_mask";
 bool Bf16Operands(const ir::Module& m, const ir::Instr& in);
 
 void RoundBeforeReshapes(ir::Module& m);
+// convert(reshape*(transpose(reshape*(x))), bf16) with x an elementwise loop's value read only through
+// that chain (the attention heads' q, k, v after their bias adds) becomes
+// reshape*(transpose(reshape*(convert(x, bf16)))): the loop computing x writes it rounded, 2 bytes an
+// element, and the transpose moves bf16 (StridedGather16), where x was written in f32 and read back by
+// a rounding transpose. The same bits (rounding is elementwise). Runs before RoundInTransposes, which
+// takes the transposes of other values.
+void RoundInProducers(ir::Module& m);
 // convert(reshape*(transpose(x)), bf16), each reshape and the transpose read by nothing else, becomes
 // reshape*(t) with t the transpose of x to bf16, rounding each element as it is copied (kRoundsAttr):
 // one pass writing 2 bytes an element instead of a transpose and a rounding loop (transformer_lm's

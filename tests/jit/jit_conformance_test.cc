@@ -2062,6 +2062,52 @@ TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bi
   }
 }
 
+// A rounding that reads a transpose of an elementwise loop's value (through reshapes on both sides)
+// is done by that loop, which writes bf16, and the transpose moves bf16 (RoundInProducers:
+// transformer_lm's q, k and v after their bias adds). The interpreter's bits, ties, overflow, NaN and
+// subnormals included, for contiguous rows (the heads' split) and a strided transpose.
+TEST_CASE("bf16: a loop rounds what a transpose then moves, with the interpreter's bits", "[jit][bf16]") {
+  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x7f7fffffu, 0xff7f8000u,
+                              0x7fc00001u, 0x7f800001u, 0x00018000u, 0x80000000u, 0xff800000u};
+  ir::Module m;
+  m.name = "rounding producers";
+  ir::Builder b(&m);
+  const ir::Shape shape = {3, 37, 5 * 12};
+  const ir::ValueId a = b.Input("a", {DType::kF32, shape});
+  const ir::ValueId x = b.Mul(a, b.ScalarLike(1.0, a));  // an elementwise loop's value, specials kept
+  const ir::ValueId heads = b.Transpose(b.Reshape(x, {3, 37, 5, 12}), {0, 2, 1, 3});  // rows of 12
+  m.outputs.push_back({"heads", b.Convert(b.Reshape(heads, {15, 444}), DType::kBF16)});
+  const ir::ValueId y = b.Add(a, b.ScalarLike(0.5, a));
+  const ir::ValueId cols = b.Transpose(b.Reshape(y, {111, 60}), {1, 0});  // strided
+  m.outputs.push_back({"cols", b.Convert(cols, DType::kBF16)});
+  Tensor as = Random({DType::kF32, shape}, 13, Dist::kWide);
+  for (size_t i = 0; i < std::size(special); ++i)
+    for (int64_t at : {static_cast<int64_t>(i) * 7, int64_t{60 * 37 + 3} + static_cast<int64_t>(i), as.elements() - 1 - static_cast<int64_t>(i) * 131})
+      std::memcpy(&as.f32[at], &special[i], 4);
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  INFO(ir::Print(step->module()));
+  int moves = 0, roundings = 0;
+  for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+    const ir::Instr& in = step->module().at(v);
+    CHECK(!(in.op == OpCode::kTranspose && in.Has(jit::kRoundsAttr)));  // no rounding transpose
+    moves += in.op == OpCode::kTranspose && in.type.dtype == DType::kBF16;
+    if (in.op == OpCode::kConvert && in.type.dtype == DType::kBF16) {
+      ++roundings;
+      CHECK(in.Has(ir::kFusionAttr));  // in the loop that computes its operand
+    }
+  }
+  CHECK(moves == 2);
+  CHECK(roundings == 2);
+  TensorMap vars, inputs{{"a", as}};
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
+  for (const char* k : {"heads", "cols"}) {
+    INFO(k);
+    REQUIRE(got.at(k).dtype() == DType::kBF16);
+    CHECK(got.at(k).shape() == ref.at(k).shape());
+    CHECK(got.at(k).bf16 == ref.at(k).bf16);
+  }
+}
+
 // Reshapes of one value feeding several bf16 matmuls (the transformer's layer-norm output, reshaped
 // for each of Q, K and V) share one rounding (RoundBeforeReshapes): one bf16 copy written by the loop
 // that computes the value, not one per matmul. The interpreter's results.
