@@ -90,6 +90,21 @@ void RoundBeforeReshapes(ir::Module& m) {
   if (changed) m.Canonicalize();
 }
 
+namespace {
+// The data movements `chain` (each reading the next one; the last reads the value v stands in for)
+// appended again on top of v with bf16 elements, innermost first; returns the outermost copy.
+ValueId AppendInBf16(ir::Module& m, ValueId v, const std::vector<ValueId>& chain) {
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+    ir::Instr link = m.at(*it);  // copies: Append may move the instructions
+    link.operands = {v};
+    link.type.dtype = DType::kBF16;
+    link.attrs.erase(ir::kFusionAttr);
+    v = m.Append(link);
+  }
+  return v;
+}
+}  // namespace
+
 void RoundInProducers(ir::Module& m) {
   const auto users = m.Users();
   std::vector<char> kept(m.size(), 0);  // returned or assigned: stays in memory in f32
@@ -115,15 +130,7 @@ void RoundInProducers(ir::Module& m) {
     round.operands = {x};
     round.type = ir::TensorType{DType::kBF16, producer.type.shape};
     round.attrs.erase(ir::kFusionAttr);
-    ValueId v = m.Append(round);
-    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
-      ir::Instr link = m.at(*it);
-      link.operands = {v};
-      link.type.dtype = DType::kBF16;
-      link.attrs.erase(ir::kFusionAttr);
-      v = m.Append(link);
-    }
-    m.ReplaceAllUses(c, v);
+    m.ReplaceAllUses(c, AppendInBf16(m, m.Append(round), chain));
     changed = true;
   }
   if (changed) m.Canonicalize();
@@ -147,15 +154,7 @@ void RoundInTransposes(ir::Module& m) {
     t.type.dtype = DType::kBF16;
     t.attrs.erase(ir::kFusionAttr);
     t.attrs[kRoundsAttr] = int64_t{1};
-    ValueId v = m.Append(t);
-    for (auto it = reshapes.rbegin(); it != reshapes.rend(); ++it) {
-      ir::Instr r = m.at(*it);
-      r.operands = {v};
-      r.type.dtype = DType::kBF16;
-      r.attrs.erase(ir::kFusionAttr);
-      v = m.Append(r);
-    }
-    m.ReplaceAllUses(c, v);
+    m.ReplaceAllUses(c, AppendInBf16(m, m.Append(t), reshapes));
     changed = true;
   }
   if (changed) m.Canonicalize();

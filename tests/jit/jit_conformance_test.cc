@@ -2023,13 +2023,29 @@ TEST_CASE("bf16: the JIT's fused loops round like the interpreter (ties, overflo
   CHECK(ref.at("y").bf16 == want);
 }
 
+// f32 bit patterns whose rounding to bf16 is easy to get wrong: ties to even (down and up), just
+// above a tie, overflow to inf, a negative tie to -inf, NaN payloads (a signalling one), a subnormal
+// tie, -0 and -inf.
+constexpr uint32_t kRoundingSpecials[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x7f7fffffu, 0xff7f8000u,
+                                          0x7fc00001u, 0x7f800001u, 0x00018000u, 0x80000000u, 0xff800000u};
+
+// The JIT's bf16 outputs `names` of m on `inputs` equal the interpreter's bit for bit.
+void CheckBf16OutputsBitwise(const ir::Module& m, const TensorMap& inputs, std::initializer_list<const char*> names) {
+  TensorMap vars;
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
+  for (const char* k : names) {
+    INFO(k);
+    REQUIRE(got.at(k).dtype() == DType::kBF16);
+    CHECK(got.at(k).shape() == ref.at(k).shape());
+    CHECK(got.at(k).bf16 == ref.at(k).bf16);
+  }
+}
+
 // A rounding that reads a transpose (through reshapes) is done by the transpose as it copies
 // (RoundInTransposes: transformer_lm's attention heads), one pass to bf16 instead of two. The
 // interpreter's bits, ties, overflow and NaN included, in both of the copy's forms (contiguous rows
 // of an odd length, and strided), over several row blocks.
 TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bits", "[jit][bf16]") {
-  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x7f7fffffu, 0xff7f8000u,
-                              0x7fc00001u, 0x7f800001u, 0x00018000u, 0x80000000u, 0xff800000u};
   ir::Module m;
   m.name = "rounding transposes";
   ir::Builder b(&m);
@@ -2040,9 +2056,9 @@ TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bi
   const ir::ValueId cols = b.Transpose(b.Reshape(x, {111, 335}), {1, 0});  // strided
   m.outputs.push_back({"cols", b.Convert(cols, DType::kBF16)});
   Tensor xs = Random({DType::kF32, shape}, 11, Dist::kWide);
-  for (size_t i = 0; i < std::size(special); ++i)
+  for (size_t i = 0; i < std::size(kRoundingSpecials); ++i)
     for (int64_t at : {int64_t{0}, int64_t{67 * 5 * 37 + 3}, xs.elements() - 1 - static_cast<int64_t>(i) * 997})
-      std::memcpy(&xs.f32[at + (at == 0 ? static_cast<int64_t>(i) * 7 : 0)], &special[i], 4);
+      std::memcpy(&xs.f32[at + (at == 0 ? static_cast<int64_t>(i) * 7 : 0)], &kRoundingSpecials[i], 4);
   auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
   INFO(ir::Print(step->module()));
   int rounding = 0;
@@ -2052,14 +2068,7 @@ TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bi
     rounding += in.op == OpCode::kTranspose && in.Has(jit::kRoundsAttr) && in.type.dtype == DType::kBF16;
   }
   CHECK(rounding == 2);
-  TensorMap vars, inputs{{"x", xs}};
-  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
-  for (const char* k : {"rows", "cols"}) {
-    INFO(k);
-    REQUIRE(got.at(k).dtype() == DType::kBF16);
-    CHECK(got.at(k).shape() == ref.at(k).shape());
-    CHECK(got.at(k).bf16 == ref.at(k).bf16);
-  }
+  CheckBf16OutputsBitwise(m, {{"x", xs}}, {"rows", "cols"});
 }
 
 // A rounding that reads a transpose of an elementwise loop's value (through reshapes on both sides)
@@ -2067,8 +2076,6 @@ TEST_CASE("bf16: a transpose that rounds as it copies gives the interpreter's bi
 // transformer_lm's q, k and v after their bias adds). The interpreter's bits, ties, overflow, NaN and
 // subnormals included, for contiguous rows (the heads' split) and a strided transpose.
 TEST_CASE("bf16: a loop rounds what a transpose then moves, with the interpreter's bits", "[jit][bf16]") {
-  const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x7f7fffffu, 0xff7f8000u,
-                              0x7fc00001u, 0x7f800001u, 0x00018000u, 0x80000000u, 0xff800000u};
   ir::Module m;
   m.name = "rounding producers";
   ir::Builder b(&m);
@@ -2081,9 +2088,9 @@ TEST_CASE("bf16: a loop rounds what a transpose then moves, with the interpreter
   const ir::ValueId cols = b.Transpose(b.Reshape(y, {111, 60}), {1, 0});  // strided
   m.outputs.push_back({"cols", b.Convert(cols, DType::kBF16)});
   Tensor as = Random({DType::kF32, shape}, 13, Dist::kWide);
-  for (size_t i = 0; i < std::size(special); ++i)
+  for (size_t i = 0; i < std::size(kRoundingSpecials); ++i)
     for (int64_t at : {static_cast<int64_t>(i) * 7, int64_t{60 * 37 + 3} + static_cast<int64_t>(i), as.elements() - 1 - static_cast<int64_t>(i) * 131})
-      std::memcpy(&as.f32[at], &special[i], 4);
+      std::memcpy(&as.f32[at], &kRoundingSpecials[i], 4);
   auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
   INFO(ir::Print(step->module()));
   int moves = 0, roundings = 0;
@@ -2098,14 +2105,7 @@ TEST_CASE("bf16: a loop rounds what a transpose then moves, with the interpreter
   }
   CHECK(moves == 2);
   CHECK(roundings == 2);
-  TensorMap vars, inputs{{"a", as}};
-  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars, inputs);
-  for (const char* k : {"heads", "cols"}) {
-    INFO(k);
-    REQUIRE(got.at(k).dtype() == DType::kBF16);
-    CHECK(got.at(k).shape() == ref.at(k).shape());
-    CHECK(got.at(k).bf16 == ref.at(k).bf16);
-  }
+  CheckBf16OutputsBitwise(m, {{"a", as}}, {"heads", "cols"});
 }
 
 // Reshapes of one value feeding several bf16 matmuls (the transformer's layer-norm output, reshaped
