@@ -827,7 +827,8 @@ void GemmCompare() {
     for (int64_t i = 0; i < n; ++i) xb[i] = runtime::F32ToBf16(x[i]);
     double ms[2][2];  // [bf16][backward]
     for (int bf16 = 0; bf16 < 2; ++bf16) {
-      s.bf16 = s.bf16_operands = bf16 != 0;
+      s.bf16 = bf16 != 0;
+      s.stored_bf16.fill(s.bf16);
       const void* o = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
       ms[bf16][0] = time([&] { jit::AttentionForward(s, o, o, o, out.data()); }) * 1e3;
       ms[bf16][1] = time([&] { jit::AttentionBackward(s, o, o, o, o, out.data()); }) * 1e3;

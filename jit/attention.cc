@@ -282,6 +282,25 @@ SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, 
   }
 }
 
+// Rows of `bytes` bytes from x (x_step bytes apart) to y (y_step apart), a 64-byte vector at a time (the
+// attention heads' rows: 64 or 128 bytes, so no call per row).
+SS_AVX512 void CopyRowsAvx512(const char* x, int64_t x_step, char* y, int64_t y_step, int64_t rows, int64_t bytes) {
+  const int64_t full = bytes / 64, rest = bytes % 64;
+  const __mmask64 tail = _cvtu64_mask64(rest ? (uint64_t{1} << rest) - 1 : 0);
+  for (int64_t r = 0; r < rows; ++r, x += x_step, y += y_step) {
+    for (int64_t c = 0; c < full; ++c) _mm512_storeu_si512(y + 64 * c, _mm512_loadu_si512(x + 64 * c));
+    if (rest) _mm512_mask_storeu_epi8(y + 64 * full, tail, _mm512_maskz_loadu_epi8(tail, x + 64 * full));
+  }
+}
+// Rows of n floats from x (x_step floats apart) rounded to bf16 at y (y_step apart).
+SS_AVX512 void RoundRowsAvx512(const float* x, int64_t x_step, uint16_t* y, int64_t y_step, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r, x += x_step, y += y_step) {
+    int64_t c = 0;
+    for (; c + 16 <= n; c += 16) StoreBf16(y + c, _mm512_loadu_ps(x + c));
+    for (; c < n; ++c) y[c] = ToBf16(x[c]);
+  }
+}
+
 #pragma GCC diagnostic pop
 
 template <typename = void>
@@ -305,6 +324,16 @@ void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, f
   SoftmaxGradColumnsBase(pt, dst, heads, t, scale, bf16);
 }
 void Round(const float* x, int64_t n, uint16_t* y) { Avx512() ? RoundAvx512(x, n, y) : RoundBody(x, n, y); }
+void CopyRows(const void* x, int64_t x_step, void* y, int64_t y_step, int64_t rows, int64_t bytes) {
+  const char* from = static_cast<const char*>(x);
+  char* to = static_cast<char*>(y);
+  if (Avx512()) return CopyRowsAvx512(from, x_step, to, y_step, rows, bytes);
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(to + r * y_step, from + r * x_step, bytes);
+}
+void RoundRows(const float* x, int64_t x_step, uint16_t* y, int64_t y_step, int64_t rows, int64_t n) {
+  if (Avx512()) return RoundRowsAvx512(x, x_step, y, y_step, rows, n);
+  for (int64_t r = 0; r < rows; ++r) RoundBody(x + r * x_step, n, y + r * y_step);
+}
 
 std::atomic<bool> g_separate_rounding{false};  // SeparateRoundingForTesting
 
@@ -315,7 +344,9 @@ enum ProductKind { kScoresT, kTransA, kPlain, kKinds };
 // One TBB thread slot's scratch and memory objects.
 struct Slot {
   std::vector<float> s, dp;                        // p^T and dp^T / ds^T of the group, f32
-  std::vector<uint16_t> q, k, v, dout, p, ds;      // bf16 copies
+  std::vector<uint16_t> p, ds;                     // bf16 copies
+  std::array<std::vector<float>, 4> operand;       // q, k, v, dout gathered or rounded (Operand)
+  std::vector<float> staged;                       // a result on its way out (ResultBlock)
   std::array<Mems, kKinds> mems;
   std::vector<char> pad;                           // oneDNN scratchpad (64-byte aligned within)
   char* Pad() { return pad.data() + (64 - reinterpret_cast<uintptr_t>(pad.data()) % 64) % 64; }
@@ -334,9 +365,16 @@ struct Plan {
   }
 };
 
+// Whether operand i is read through the slot's copy: gathered from the heads-inner layout, or rounded.
+bool Copied(const AttentionShape& s, int i) { return s.heads_in > 0 || (s.bf16 && !s.stored_bf16[i]); }
+// Whether results go through the slot's staging block: scattered to the heads-inner layout, or rounded.
+bool Staged(const AttentionShape& s) { return s.heads_out > 0 || s.bf16_out; }
+
 Plan& PlanFor(const AttentionShape& s) {
-  thread_local std::map<std::array<int64_t, 5>, Plan> plans;
-  const std::array<int64_t, 5> key{s.heads, s.t, s.d, s.bf16, s.bf16_operands};
+  thread_local std::map<std::array<int64_t, 8>, Plan> plans;
+  int64_t stored = 0;
+  for (int i = 0; i < 4; ++i) stored |= int64_t{s.stored_bf16[i]} << i;
+  const std::array<int64_t, 8> key{s.heads, s.t, s.d, s.bf16, stored, s.heads_in, s.heads_out, s.bf16_out};
   auto [it, fresh] = plans.try_emplace(key);
   Plan& plan = it->second;
   if (!fresh) return plan;
@@ -353,9 +391,10 @@ Plan& PlanFor(const AttentionShape& s) {
     if (s.bf16) {
       slot.p.resize(g * tt);
       slot.ds.resize(g * tt);
-      if (!s.bf16_operands)
-        for (auto* v : {&slot.q, &slot.k, &slot.v, &slot.dout}) v->resize(n);
     }
+    for (int i = 0; i < 4; ++i)
+      if (Copied(s, i)) slot.operand[i].resize(n);  // floats: room for either element type
+    if (Staged(s)) slot.staged.resize(n);
     slot.pad.resize(scratch + 64);
     for (int kind = 0; kind < kKinds; ++kind) {  // bound now: a later Bind only re-points
       const Product& p = *plan.product[kind];
@@ -372,14 +411,48 @@ void Run(Slot& slot, const Plan& plan, ProductKind kind, const void* a, const vo
   Run(*plan.product[kind], slot.mems[kind], slot.Pad(), a, b, c);
 }
 
-// Elements [at, at + n) of an operand as the products take it: in place (f32, or bf16 stored as such), or
-// rounded to the slot's bf16 copy.
-const void* Operand(const AttentionShape& s, const void* x, int64_t at, int64_t n, std::vector<uint16_t>& copy) {
-  if (s.bf16_operands) return static_cast<const uint16_t*>(x) + at;
-  const float* f = static_cast<const float*>(x) + at;
-  if (!s.bf16) return f;
-  Round(f, n, copy.data());
-  return copy.data();
+// Where row r of head h starts (in elements) in a layout with H heads inner, or dense (H = 0).
+int64_t RowAt(const AttentionShape& s, int64_t H, int64_t h, int64_t r) {
+  return H == 0 ? (h * s.t + r) * s.d : ((h / H) * s.t + r) * H * s.d + (h % H) * s.d;
+}
+
+// Operand i (q, k, v, dout) of the group of g heads from h0, [g, t, d] dense as the products take it: in
+// place (dense, f32 or stored as bf16), or the slot's copy: gathered row by row from the heads-inner
+// layout and/or rounded to bf16.
+const void* Operand(const AttentionShape& s, int i, const void* x, int64_t h0, int64_t g, Slot& slot) {
+  const bool stored = s.stored_bf16[i], round = s.bf16 && !stored;
+  const int64_t at = h0 * s.t * s.d, n = g * s.t * s.d;
+  if (!Copied(s, i)) return stored ? static_cast<const void*>(static_cast<const uint16_t*>(x) + at)
+                                   : static_cast<const void*>(static_cast<const float*>(x) + at);
+  void* copy = slot.operand[i].data();
+  if (s.heads_in == 0) {
+    Round(static_cast<const float*>(x) + at, n, static_cast<uint16_t*>(copy));
+    return copy;
+  }
+  const int64_t size = stored ? 2 : 4, step = s.heads_in * s.d;  // the source's element, its rows' distance
+  for (int64_t j = 0; j < g; ++j) {
+    const int64_t from = RowAt(s, s.heads_in, h0 + j, 0), to = j * s.t * s.d;
+    if (round) RoundRows(static_cast<const float*>(x) + from, step, static_cast<uint16_t*>(copy) + to, s.d, s.t, s.d);
+    else CopyRows(static_cast<const char*>(x) + from * size, step * size, static_cast<char*>(copy) + to * size,
+                  s.d * size, s.t, s.d * size);
+  }
+  return copy;
+}
+
+// Where a product writes the group's [g, t, d] block of an output: in place when the output is dense
+// f32, else the slot's staging block, which StoreStaged then copies out.
+float* ResultBlock(const AttentionShape& s, bool bf16_out, void* out, int64_t h0, Slot& slot) {
+  return s.heads_out == 0 && !bf16_out ? static_cast<float*>(out) + h0 * s.t * s.d : slot.staged.data();
+}
+void StoreStaged(const AttentionShape& s, bool bf16_out, const Slot& slot, void* out, int64_t h0, int64_t g) {
+  if (s.heads_out == 0 && !bf16_out) return;
+  const float* c = slot.staged.data();
+  const int64_t step = s.heads_out > 0 ? s.heads_out * s.d : s.d;  // the output's rows' distance
+  for (int64_t j = 0; j < g; ++j) {
+    const int64_t from = j * s.t * s.d, to = RowAt(s, s.heads_out, h0 + j, 0);
+    if (bf16_out) RoundRows(c + from, s.d, static_cast<uint16_t*>(out) + to, step, s.t, s.d);
+    else CopyRows(c + from, s.d * 4, static_cast<float*>(out) + to, step * 4, s.t, s.d * 4);
+  }
 }
 
 // p^T or ds^T as the products take it: f32 in place, or its bf16 copy (rounded by the softmax loop that
@@ -405,18 +478,19 @@ const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot
 
 void SeparateRoundingForTesting(bool on) { g_separate_rounding = on; }
 
-void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, float* out) {
+void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out) {
   if (s.heads == 0 || s.t == 0 || s.d == 0) return;
   Plan& plan = PlanFor(s);
-  const int64_t g = plan.g, n = g * s.t * s.d, tt = s.t * s.t;
+  const int64_t g = plan.g, tt = s.t * s.t;
   tbb::parallel_for(int64_t{0}, s.heads / g, [&](int64_t task) {
     Slot& slot = plan.ForThisThread();
-    const int64_t at = task * n;
-    const void* qg = Operand(s, q, at, n, slot.q);
-    const void* kg = Operand(s, k, at, n, slot.k);
-    const void* vg = Operand(s, v, at, n, slot.v);
+    const int64_t h0 = task * g;
+    const void* qg = Operand(s, 0, q, h0, g, slot);
+    const void* kg = Operand(s, 1, k, h0, g, slot);
+    const void* vg = Operand(s, 2, v, h0, g, slot);
     const void* pt = ProductOperand(s, Probabilities(s, plan, slot, qg, kg), g * tt, slot.p);
-    Run(slot, plan, kTransA, pt, vg, out + at);  // out = p v
+    Run(slot, plan, kTransA, pt, vg, ResultBlock(s, s.bf16_out, out, h0, slot));  // out = p v
+    StoreStaged(s, s.bf16_out, slot, out, h0, g);
   });
 }
 
@@ -424,22 +498,28 @@ void AttentionBackward(const AttentionShape& s, const void* q, const void* k, co
                        float* out) {
   if (s.heads == 0 || s.t == 0 || s.d == 0) return;
   Plan& plan = PlanFor(s);
-  const int64_t g = plan.g, n = g * s.t * s.d, tt = s.t * s.t, total = s.heads * s.t * s.d;
+  const int64_t g = plan.g, tt = s.t * s.t, total = s.heads * s.t * s.d;
+  float* dq = out;
+  float* dk = out + total;
+  float* dv = out + 2 * total;
   tbb::parallel_for(int64_t{0}, s.heads / g, [&](int64_t task) {
     Slot& slot = plan.ForThisThread();
-    const int64_t at = task * n;
-    const void* qg = Operand(s, q, at, n, slot.q);
-    const void* kg = Operand(s, k, at, n, slot.k);
-    const void* vg = Operand(s, v, at, n, slot.v);
-    const void* dg = Operand(s, dout, at, n, slot.dout);
+    const int64_t h0 = task * g;
+    const void* qg = Operand(s, 0, q, h0, g, slot);
+    const void* kg = Operand(s, 1, k, h0, g, slot);
+    const void* vg = Operand(s, 2, v, h0, g, slot);
+    const void* dg = Operand(s, 3, dout, h0, g, slot);
     const float* pt = Probabilities(s, plan, slot, qg, kg);
-    Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, out + 2 * total + at);  // dv = p^T dout
+    Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, ResultBlock(s, false, dv, h0, slot));  // dv = p^T dout
+    StoreStaged(s, false, slot, dv, h0, g);
     float* dst = slot.dp.data();
     Run(slot, plan, kScoresT, vg, dg, dst);         // dp^T = v dout^T
     SoftmaxGradColumns(pt, dst, g, s.t, s.scale, FusedRounding(s, slot.ds));  // ds^T
     const void* ds = ProductOperand(s, dst, g * tt, slot.ds);
-    Run(slot, plan, kTransA, ds, kg, out + at);          // dq = ds k
-    Run(slot, plan, kPlain, ds, qg, out + total + at);  // dk = ds^T q
+    Run(slot, plan, kTransA, ds, kg, ResultBlock(s, false, dq, h0, slot));  // dq = ds k
+    StoreStaged(s, false, slot, dq, h0, g);
+    Run(slot, plan, kPlain, ds, qg, ResultBlock(s, false, dk, h0, slot));  // dk = ds^T q
+    StoreStaged(s, false, slot, dk, h0, g);
   });
 }
 

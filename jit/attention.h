@@ -7,6 +7,7 @@
 // the order of the products' sums and the exp (within 1 ulp of libm, jit/vector_math.cc's algorithm).
 #pragma once
 
+#include <array>
 #include <cstdint>
 
 namespace shardstep::jit {
@@ -17,11 +18,19 @@ struct AttentionShape {
   float scale = 1;
   bool causal = false;
   bool bf16 = false;  // products on bf16 operands: q, k, v, dout rounded (bf16 values: exact), p and ds rounded
-  bool bf16_operands = false;  // q, k, v, dout stored as bf16 (uint16_t), else f32
+  std::array<bool, 4> stored_bf16{};  // q, k, v, dout stored as bf16 (uint16_t), else f32
+  // The layout of q, k, v and dout (heads_in) and of the outputs (heads_out): 0, each head's [t, d] block
+  // dense ([heads, t, d]); H > 0, the model's [heads / H, t, H, d] from before its split into heads. The
+  // transposes around the op are then read and written in place (jit/step_rewrites.h
+  // AttentionHeadsInPlace): each task gathers its heads' rows into its dense scratch (the products
+  // want dense blocks: oneDNN runs strided ones on a slower kernel) and scatters its results.
+  int64_t heads_in = 0, heads_out = 0;
+  bool bf16_out = false;  // the forward's output stored rounded to bf16 (uint16_t), as runtime::F32ToBf16
 };
 
-// out [heads, t, d] = softmax(scale q k^T (causal: -inf above the diagonal)) v, per head.
-void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, float* out);
+// out [heads, t, d] = softmax(scale q k^T (causal: -inf above the diagonal)) v, per head (f32, or bf16
+// with bf16_out).
+void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out);
 
 // out [3, heads, t, d] = dq, dk, dv of AttentionForward's output for its gradient dout (the
 // probabilities recomputed from q and k).

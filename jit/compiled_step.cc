@@ -237,9 +237,10 @@ Lowering LoweringOf(const ir::Module& m, ValueId v) {
   bool bf16 = in.type.dtype == DType::kBF16;
   for (ValueId o : in.operands) bf16 |= m.type(o).dtype == DType::kBF16;
   if (bf16 && in.op == OpCode::kMatmul) return Lowering::kNative;  // widened, f32 sgemm, rounded (RunInstr)
-  if (bf16 && (in.op == OpCode::kAttention || in.op == OpCode::kAttentionGrad) && in.type.dtype == DType::kF32)
-    return Lowering::kNative;  // bf16 operands read in place (ReadBf16OperandsInPlace; by the dtypes: this runs
-                               // per step, and the attribute's name would allocate)
+  if ((in.op == OpCode::kAttention || in.op == OpCode::kAttentionGrad) &&
+      (in.type.dtype == DType::kF32 || in.Has(kHeadsOutAttr)))
+    return Lowering::kNative;  // bf16 operands read in place (ReadBf16OperandsInPlace), a bf16 output rounded
+                               // (AttentionHeadsInPlace; the attribute's name is short: no allocation per step)
   if (in.op == OpCode::kTranspose && in.Has(kRoundsAttr)) return Lowering::kNative;  // RoundInTransposes
   if (in.op == OpCode::kTranspose && in.type.dtype == DType::kBF16) return Lowering::kNative;  // 2-byte copies
   if (bf16 && in.op != OpCode::kReshape && !ir::HasProperty(in.op, ir::kCollective)) return Lowering::kReference;
@@ -1309,6 +1310,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   RoundInProducers(m);
   RoundInTransposes(m);
   ReadBf16OperandsInPlace(m);
+  AttentionHeadsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
   if (options.channels_last) ConvolutionsChannelsLast(m);
   if (ReluMasksFromInputsWanted()) ReluMasksFromInputs(m);
@@ -1699,15 +1701,18 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
     case OpCode::kAttentionGrad: {
       const Shape& x = shape(0);
       AttentionShape a;
-      a.t = x[x.size() - 2];
+      a.heads_in = in.GetInt(kHeadsInAttr, 0);  // (names within std::string's short form: no allocation)
+      a.heads_out = in.GetInt(kHeadsOutAttr, 0);
+      a.t = a.heads_in > 0 ? x[1] : x[x.size() - 2];  // [B, T, H, D] (AttentionHeadsInPlace) or [..., T, D]
       a.d = x.back();
       a.heads = a.t * a.d == 0 ? 0 : m_.type(in.operands[0]).elements() / (a.t * a.d);
       a.scale = static_cast<float>(in.GetFloat("scale"));
       a.causal = in.GetInt("causal", 0) != 0;
       a.bf16 = in.GetInt("bf16", 0) != 0;
-      a.bf16_operands = m_.type(in.operands[0]).dtype == DType::kBF16;  // ReadBf16OperandsInPlace (by the dtype:
-                                                                        // the attribute's name would allocate)
-      if (in.op == OpCode::kAttention) AttentionForward(a, P(0), P(1), P(2), static_cast<float*>(out));
+      for (size_t i = 0; i < in.operands.size() && i < a.stored_bf16.size(); ++i)  // ReadBf16OperandsInPlace
+        a.stored_bf16[i] = m_.type(in.operands[i]).dtype == DType::kBF16;
+      a.bf16_out = in.type.dtype == DType::kBF16;  // AttentionHeadsInPlace took a rounding transpose
+      if (in.op == OpCode::kAttention) AttentionForward(a, P(0), P(1), P(2), out);
       else AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out));
       return;
     }

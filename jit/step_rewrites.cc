@@ -160,6 +160,86 @@ void RoundInTransposes(ir::Module& m) {
   if (changed) m.Canonicalize();
 }
 
+namespace {
+// Whether x is a transpose between [B, T, H, D] and [B, H, T, D].
+bool IsHeadsTranspose(const ir::Module& m, ValueId x) {
+  const ir::Instr& t = m.at(x);
+  return t.op == OpCode::kTranspose && t.type.rank() == 4 && t.GetInts("perm") == ir::IntList{0, 2, 1, 3};
+}
+}  // namespace
+
+void AttentionHeadsInPlace(ir::Module& m) {
+  const auto users = m.Users();
+  std::vector<char> kept(m.size(), 0);  // returned or assigned: its layout is the module's
+  for (const auto& [name, v] : m.outputs) kept[v] = 1;
+  for (const auto& [var, v] : m.assigns) kept[v] = 1;
+  bool changed = false;
+  for (ValueId v = 0; v < m.size(); ++v) {
+    ir::Instr& in = m.at(v);  // (nothing is appended in this loop)
+    // (An op computing in bf16 throughout runs on the reference interpreter, which takes no other layout.)
+    if ((in.op != OpCode::kAttention && in.op != OpCode::kAttentionGrad) || in.type.dtype != DType::kF32) continue;
+    const bool bf16 = in.GetInt("bf16", 0) != 0;
+    bool operands = !in.operands.empty();
+    for (ValueId o : in.operands) {
+      operands = operands && IsHeadsTranspose(m, o) && m.type(m.at(o).operands[0]).shape == m.type(m.at(in.operands[0]).operands[0]).shape;
+      // A rounding transpose only where the op rounds its operands itself; a bf16 one only where it reads them
+      // as such.
+      operands = operands && (m.type(o).dtype == DType::kF32 || bf16);
+    }
+    if (operands) {
+      const int64_t heads = m.type(in.operands[0]).shape[1];
+      for (ValueId& o : in.operands) o = m.at(o).operands[0];
+      in.attrs[kHeadsInAttr] = heads;
+      changed = true;
+    }
+    if (kept[v]) continue;
+    if (in.op == OpCode::kAttention) {
+      if (users[v].size() != 1 || !IsHeadsTranspose(m, users[v][0])) continue;
+      const ValueId t = users[v][0];
+      in.attrs[kHeadsOutAttr] = in.type.shape[1];
+      in.type = m.type(t);  // [B, T, H, D]; bf16 for a rounding transpose
+      m.ReplaceAllUses(t, v);
+      changed = true;
+      continue;
+    }
+    // attention_grad [3, B, H, T, D]: slice i -> reshape [B, H, T, D] -> transposes, for each part.
+    const ir::Shape& full = in.type.shape;
+    const ir::Shape heads_first(full.begin() + 1, full.end());
+    const ir::Shape heads_inner{full[1], full[3], full[2], full[4]};
+    bool results = !users[v].empty();
+    for (ValueId s : users[v]) {
+      const ir::Instr& slice = m.at(s);
+      results = results && slice.op == OpCode::kSlice && !kept[s] && users[s].size() == 1;
+      if (!results) break;
+      const ir::IntList& start = slice.GetInts("start");
+      const ir::IntList& limit = slice.GetInts("limit");
+      for (size_t a = 1; a < full.size(); ++a) results = results && start[a] == 0 && limit[a] == full[a];
+      results = results && limit[0] == start[0] + 1;
+      const ValueId r = users[s][0];
+      results = results && m.at(r).op == OpCode::kReshape && m.type(r).shape == heads_first && !kept[r] &&
+                !users[r].empty();
+      if (!results) break;
+      for (ValueId t : users[r]) results = results && IsHeadsTranspose(m, t) && m.type(t).dtype == DType::kF32;
+    }
+    if (!results) continue;
+    in.attrs[kHeadsOutAttr] = full[2];
+    in.type.shape = {full[0], heads_inner[0], heads_inner[1], heads_inner[2], heads_inner[3]};
+    for (ValueId s : users[v]) {
+      ir::Instr& slice = m.at(s);
+      slice.type.shape = {1, heads_inner[0], heads_inner[1], heads_inner[2], heads_inner[3]};
+      ir::IntList limit = slice.GetInts("limit");
+      for (size_t a = 1; a < limit.size(); ++a) limit[a] = in.type.shape[a];
+      slice.attrs["limit"] = limit;
+      const ValueId r = users[s][0];
+      m.at(r).type.shape = heads_inner;
+      m.at(r).attrs["shape"] = ir::IntList(heads_inner.begin(), heads_inner.end());
+      for (ValueId t : users[r]) m.ReplaceAllUses(t, r);
+    }
+    changed = true;
+  }
+  if (changed) m.Canonicalize();
+}
+
 // relu's gradient after max pooling's, select(x > 0, max_pool_grad(x, dy), 0) with x the pooled relu
 // output, is one pass of the pooling gradient with the mask (cpu_kernels.h MaxPoolGrad): the gradient is
 // not written and read back. The JIT's own form, marked kReluMaskAttr; the same bits.

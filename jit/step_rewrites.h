@@ -1,5 +1,6 @@
 // The JIT's own rewrites of a step module before it is planned (CompiledStep::Compile), in this order:
-// RoundBeforeReshapes, RoundInTransposes, ReadBf16OperandsInPlace, MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
+// RoundBeforeReshapes, RoundInProducers, RoundInTransposes, ReadBf16OperandsInPlace, AttentionHeadsInPlace,
+// MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
 // jit/channels_last.h), ReluMasksFromInputs, RecomputeCheapValues, CopyBroadcastsPerReader, then (after the
 // elementwise fuser, whose groups it reads) SinkCheapLoopOutputs. Each keeps every value's bits;
 // they change where values are computed and what reaches memory. Some leave forms only the JIT reads
@@ -14,6 +15,11 @@ namespace shardstep::jit {
 inline constexpr const char* kBf16OperandsAttr = "jit_bf16_operands";
 // A transpose from f32 to bf16 that rounds as it copies (RoundInTransposes).
 inline constexpr const char* kRoundsAttr = "jit_rounds";
+// An attention op's operands (kHeadsInAttr) or results (kHeadsOutAttr) in the model's [B, T, H, D]
+// layout, H heads (AttentionHeadsInPlace; jit/attention.h heads_in, heads_out). 15 characters at most:
+// the step reads them per call, and a longer std::string would allocate.
+inline constexpr const char* kHeadsInAttr = "jit_heads_in";
+inline constexpr const char* kHeadsOutAttr = "jit_heads_out";
 // A max-pooling gradient with relu's mask applied in the same pass (MaskMaxPoolGradsByRelu).
 inline constexpr const char* kReluMaskAttr = "jit_relu_mask";
 
@@ -36,6 +42,17 @@ void RoundInProducers(ir::Module& m);
 void RoundInTransposes(ir::Module& m);
 // The same for attention and attention_grad with bf16=1 (jit/attention.h takes bf16 operands).
 void ReadBf16OperandsInPlace(ir::Module& m);
+// The transposes a model makes around attention, [B, T, H, D] <-> [B, H, T, D] (perm [0, 2, 1, 3]),
+// read and written in place by the op, whose tasks gather their heads' rows into their own scratch and
+// scatter their results (in cache), instead of passes over memory of their own (transformer_lm: 28
+// per step, each over a [32, 4, 128, 32] tensor). Operands: when every operand of an attention or
+// attention_grad is such a transpose (a rounding one, from RoundInTransposes, only with bf16=1: the op
+// then rounds), it reads the transposes' operands (kHeadsInAttr). Results: attention's single reader
+// such a transpose (a rounding one: the op rounds its output, which becomes bf16); attention_grad's
+// readers its three parts' slices, each reshaped to [B, H, T, D] and read only by such transposes: the
+// op writes [3, B, T, H, D] (kHeadsOutAttr), the slices and reshapes follow, the transposes go. The same
+// bits: only where elements are stored moves.
+void AttentionHeadsInPlace(ir::Module& m);
 void MaskMaxPoolGradsByRelu(ir::Module& m);
 // Returns the number of masks rewritten.
 int ReluMasksFromInputs(ir::Module& m);

@@ -37,7 +37,7 @@ Outputs Run(const jit::AttentionShape& s, const std::vector<float>& q, const std
   jit::SeparateRoundingForTesting(separate);
   const int64_t n = s.heads * s.t * s.d;
   Outputs o{std::vector<float>(n), std::vector<float>(3 * n)};
-  if (s.bf16_operands) {
+  if (s.stored_bf16[0]) {
     auto bf = [](const std::vector<float>& x) {
       std::vector<uint16_t> h(x.size());
       for (size_t i = 0; i < x.size(); ++i) h[i] = runtime::F32ToBf16(x[i]);
@@ -68,7 +68,8 @@ TEST_CASE("bf16 attention: rounding in the softmax loops gives the separate pass
   for (const Case& c : {Case{8, 128, 32, true, false}, Case{8, 128, 32, true, true}, Case{6, 32, 16, false, false},
                         Case{4, 48, 8, true, true}, Case{5, 24, 8, true, false}, Case{3, 24, 16, false, true}}) {
     jit::AttentionShape s;
-    s.heads = c.heads, s.t = c.t, s.d = c.d, s.causal = c.causal, s.bf16 = true, s.bf16_operands = c.bf16_operands;
+    s.heads = c.heads, s.t = c.t, s.d = c.d, s.causal = c.causal, s.bf16 = true;
+    s.stored_bf16.fill(c.bf16_operands);
     s.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.d)));
     const int64_t n = c.heads * c.t * c.d;
     const auto q = Random(n, 1), k = Random(n, 2), v = Random(n, 3), dout = Random(n, 4);
