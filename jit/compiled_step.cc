@@ -51,7 +51,6 @@
 #include "jit/compiled_step.h"
 #include "jit/jit_source_hash.h"
 
-#include <sys/mman.h>
 #include <tbb/blocked_range.h>
 #include <tbb/info.h>
 #include <tbb/parallel_for.h>
@@ -1360,49 +1359,6 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   step->info_.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   MemoryCache()[mem_key] = step;
   return step;
-}
-
-namespace {
-}  // namespace
-
-// AddressSanitizer (GCC's macro, clang's feature test): the arena then comes from the heap, so an access
-// past its end is reported.
-#if defined(__SANITIZE_ADDRESS__)
-#define SS_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SS_ASAN 1
-#endif
-#endif
-
-void ArenaMemory::Assign(size_t bytes) {
-  Release();
-  if (bytes == 0) return;
-#if defined(SS_ASAN)
-  data_ = new char[bytes]();
-  mapped_ = bytes;
-  return;
-#endif
-  constexpr size_t kHuge = size_t{2} << 20;
-  mapped_ = (bytes + kHuge - 1) / kHuge * kHuge;
-  void* p = mmap(nullptr, mapped_ + kHuge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) throw std::bad_alloc();
-  // Start at a 2 MiB boundary (the slack before and after it unmapped) so every page can be huge.
-  char* base = static_cast<char*>(p);
-  char* aligned = base + (kHuge - reinterpret_cast<uintptr_t>(base) % kHuge) % kHuge;
-  if (aligned > base) munmap(base, aligned - base);
-  if (char* end = aligned + mapped_; end < base + mapped_ + kHuge) munmap(end, base + mapped_ + kHuge - end);
-  madvise(aligned, mapped_, MADV_HUGEPAGE);  // advice: without it (or refused) the pages are 4 KiB
-  data_ = aligned;
-}
-void ArenaMemory::Release() {
-#if defined(SS_ASAN)
-  delete[] data_;
-#else
-  if (data_) munmap(data_, mapped_);
-#endif
-  data_ = nullptr;
-  mapped_ = 0;
 }
 
 namespace {

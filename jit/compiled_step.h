@@ -11,6 +11,7 @@
 #include "ir/module.h"
 #include "jit/data_movement.h"
 #include "jit/driver_emitter.h"
+#include "jit/huge_pages.h"
 #include "jit/jit_compiler.h"
 #include "jit/kernel_emitter.h"
 #include "jit/step_runtime.h"
@@ -77,26 +78,9 @@ struct ProductOperands {
   int64_t ldb = 0, blocks = 1;
 };
 
-// Zeroed memory mapped for the workspace arena, in 2 MiB pages where the kernel gives them
-// (madvise(MADV_HUGEPAGE): transparent huge pages are "madvise" on Debian 12).
-class ArenaMemory {
- public:
-  ArenaMemory() = default;
-  ArenaMemory(const ArenaMemory&) = delete;
-  ArenaMemory& operator=(const ArenaMemory&) = delete;
-  ~ArenaMemory() { Release(); }
-  void Assign(size_t bytes);  // fresh zeroed memory of at least `bytes`
-  char* data() const { return data_; }
-
- private:
-  void Release();
-  char* data_ = nullptr;
-  size_t mapped_ = 0;
-};
-
 struct Workspace {
   const CompiledStep* owner = nullptr;
-  ArenaMemory arena;                    // the buffer plan's arena (+ slack to align its base to 64 bytes)
+  HugePageMemory arena;                 // the buffer plan's arena (+ slack to align its base to 64 bytes)
   std::vector<runtime::Tensor> owned;   // per value: its own tensor when it is swapped into a variable
   std::vector<char> is_owned;
   std::vector<void*> ptr;               // the slot table: per value, its storage during this step
