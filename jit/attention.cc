@@ -220,7 +220,8 @@ SS_AVX512 inline __mmask16 Keep(bool causal, __m512i query, int64_t j) {
   return causal ? _mm512_cmpge_epi32_mask(query, _mm512_set1_epi32(static_cast<int32_t>(j))) : __mmask16(0xffff);
 }
 
-SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16) {
+SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16,
+                                bool f32_out) {
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t h = 0; h < heads; ++h) {
@@ -248,11 +249,11 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
       for (int64_t j = 0; j < keys; ++j) {
         float* c = x + j * t + i0;
         const __m512 pv = _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r);
-        _mm512_storeu_ps(c, pv);
+        if (f32_out) _mm512_storeu_ps(c, pv);
         if (xb) StoreBf16(xb + j * t + i0, pv);
       }
       for (int64_t j = keys; j < t; ++j) {
-        _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());
+        if (f32_out) _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());
         if (xb) _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + j * t + i0), _mm256_setzero_si256());
       }
     }
@@ -315,8 +316,9 @@ bool Avx512() {
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
   return on;
 }
-void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16) {
-  if (Avx512() && t % 16 == 0) return SoftmaxColumns16(st, heads, t, scale, causal, bf16);
+// f32_out false (with bf16 only): p is stored rounded alone (the forward's products read nothing else).
+void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16, bool f32_out) {
+  if (Avx512() && t % 16 == 0) return SoftmaxColumns16(st, heads, t, scale, causal, bf16, f32_out || !bf16);
   SoftmaxColumnsBase(st, heads, t, scale, causal, bf16);
 }
 void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
@@ -468,9 +470,12 @@ uint16_t* FusedRounding(const AttentionShape& s, std::vector<uint16_t>& copy) {
 
 // The group's probabilities transposed, p^T [g, keys, queries] (f32, in slot.s; bf16: also rounded in
 // slot.p): s^T = k q^T, softmax down the columns.
-const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot, const void* q, const void* k) {
+// backward: p^T is kept in f32 too (the gradient's loop reads it); the forward's bf16 products need only
+// the rounded copy.
+const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot, const void* q, const void* k,
+                           bool backward) {
   Run(slot, plan, kScoresT, k, q, slot.s.data());
-  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal, FusedRounding(s, slot.p));
+  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal, FusedRounding(s, slot.p), backward);
   return slot.s.data();
 }
 
@@ -488,7 +493,7 @@ void AttentionForward(const AttentionShape& s, const void* q, const void* k, con
     const void* qg = Operand(s, 0, q, h0, g, slot);
     const void* kg = Operand(s, 1, k, h0, g, slot);
     const void* vg = Operand(s, 2, v, h0, g, slot);
-    const void* pt = ProductOperand(s, Probabilities(s, plan, slot, qg, kg), g * tt, slot.p);
+    const void* pt = ProductOperand(s, Probabilities(s, plan, slot, qg, kg, false), g * tt, slot.p);
     Run(slot, plan, kTransA, pt, vg, ResultBlock(s, s.bf16_out, out, h0, slot));  // out = p v
     StoreStaged(s, s.bf16_out, slot, out, h0, g);
   });
@@ -509,7 +514,7 @@ void AttentionBackward(const AttentionShape& s, const void* q, const void* k, co
     const void* kg = Operand(s, 1, k, h0, g, slot);
     const void* vg = Operand(s, 2, v, h0, g, slot);
     const void* dg = Operand(s, 3, dout, h0, g, slot);
-    const float* pt = Probabilities(s, plan, slot, qg, kg);
+    const float* pt = Probabilities(s, plan, slot, qg, kg, true);
     Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, ResultBlock(s, false, dv, h0, slot));  // dv = p^T dout
     StoreStaged(s, false, slot, dv, h0, g);
     float* dst = slot.dp.data();
