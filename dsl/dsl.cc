@@ -388,12 +388,14 @@ Tensor Tensor::stop_gradient(Loc loc) const { return UnaryStep(*this, m_, OpCode
 Tensor Tensor::gelu(Loc loc) const {
   Tensor x = *this;
   return m_->Record("gelu", loc, [x](Lowering& L) {
-    // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    // 0.5 x (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3), computed as x sigmoid(2 z): the same
+    // function (0.5 (1 + tanh z) = 1 / (1 + e^-2z)), one exp and a division per element where tanh
+    // takes a polynomial, an exp and a division, and no cancellation in 1 + tanh(z) for negative x.
     Builder& b = *L.b;
     ValueId v = L[x];
     ValueId cube = b.Mul(b.Mul(v, v), v);
-    ValueId inner = b.MulScalar(b.Add(v, b.MulScalar(cube, 0.044715)), std::sqrt(2.0 / M_PI));
-    return b.Mul(b.MulScalar(v, 0.5), b.AddScalar(b.Unary(OpCode::kTanh, inner), 1.0));
+    ValueId two_z = b.MulScalar(b.Add(v, b.MulScalar(cube, 0.044715)), 2.0 * std::sqrt(2.0 / M_PI));
+    return b.Mul(v, b.Unary(OpCode::kSigmoid, two_z));
   });
 }
 
