@@ -258,8 +258,10 @@ TEST_CASE("channels-last: a one-channel stem runs NHWC when two convolutions fol
 // sums stay in registers over a block's rows (jit/data_movement.cc ColumnRows); the order is
 // Reduce's: each block's rows dealt in turn to K chains (K = 4 for 16 channels, 2 for 32, else 1), each
 // chain summed in f64 from its first row to its last, the chains added pairwise, the blocks in order.
+// Wider rows (bias gradients: 128, 192, 512 columns) go in strips of 128 or 64 columns held in registers
+// (ColumnStrips), in the same order.
 TEST_CASE("channels-last sums over rows keep Reduce's order for every channel count", "[jit]") {
-  for (int64_t c : {16, 24, 32, 64}) {
+  for (int64_t c : {16, 24, 32, 64, 128, 192, 512}) {
     const int64_t rows = 9000;  // several blocks, the last one short
     const jit::ReduceLayout l = jit::LayoutOf({rows, c}, {0}, {c});
     REQUIRE(l.blocks > 2);
