@@ -172,7 +172,9 @@ void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t 
 // reports as maybe uninitialized once inlined here: a false positive, silenced for these functions only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,fma")))
+// avx512bf16 (and avx512vl, which its 256-bit results need) only for StoreBf16<true>: the other forms
+// contain no instruction of it, and are the ones run on CPUs without it (Bf16Ne).
+#define SS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")))
 // ExpBody on 16 lanes.
 SS_AVX512 inline __m512 Exp16(__m512 x) {
   const ExpCoefficients& c = kExpCoefficients;
@@ -203,8 +205,17 @@ SS_AVX512 inline __m512 ToFloats(__m512d lo, __m512d hi) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(lo)), _mm512_cvtpd_ps(hi), 1);
 }
 
-// ToBf16 on 16 lanes, stored as 16 bf16.
+// ToBf16 on 16 lanes, stored as 16 bf16. kNe (CPUs with AVX512-BF16): vcvtneps2bf16 rounds to nearest even
+// and quiets a NaN as ToBf16 does, in one instruction for the integer sequence's eight, but it reads a
+// subnormal as 0: a vector holding one takes the integer sequence, so the bits are ToBf16's either way.
+template <bool kNe>
 SS_AVX512 inline void StoreBf16(uint16_t* y, __m512 x) {
+  if constexpr (kNe) {
+    if (_mm512_fpclass_ps_mask(x, 0x20) == 0) {  // 0x20: subnormal
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+      return;
+    }
+  }
   const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
   const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
@@ -218,6 +229,7 @@ SS_AVX512 inline __mmask16 Keep(bool causal, __m512i query, int64_t j) {
   return causal ? _mm512_cmpge_epi32_mask(query, _mm512_set1_epi32(static_cast<int32_t>(j))) : __mmask16(0xffff);
 }
 
+template <bool kNe>
 SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16,
                                 bool f32_out) {
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
@@ -248,7 +260,7 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
         float* c = x + j * t + i0;
         const __m512 pv = _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r);
         if (f32_out) _mm512_storeu_ps(c, pv);
-        if (xb) StoreBf16(xb + j * t + i0, pv);
+        if (xb) StoreBf16<kNe>(xb + j * t + i0, pv);
       }
       for (int64_t j = keys; j < t; ++j) {
         if (f32_out) _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());
@@ -257,6 +269,7 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
     }
   }
 }
+template <bool kNe>
 SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t h = 0; h < heads; ++h) {
@@ -274,7 +287,7 @@ SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, 
         float* c = g + j * t + i0;
         const __m512 pv = _mm512_loadu_ps(p + j * t + i0);
         const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(c), rowdot)), vscale);
-        if (bf16) StoreBf16(bf16 + h * t * t + j * t + i0, ds);
+        if (bf16) StoreBf16<kNe>(bf16 + h * t * t + j * t + i0, ds);
         else _mm512_storeu_ps(c, ds);
       }
     }
@@ -292,10 +305,11 @@ SS_AVX512 void CopyRowsAvx512(const char* x, int64_t x_step, char* y, int64_t y_
   }
 }
 // Rows of n floats from x (x_step floats apart) rounded to bf16 at y (y_step apart).
+template <bool kNe>
 SS_AVX512 void RoundRowsAvx512(const float* x, int64_t x_step, uint16_t* y, int64_t y_step, int64_t rows, int64_t n) {
   for (int64_t r = 0; r < rows; ++r, x += x_step, y += y_step) {
     int64_t c = 0;
-    for (; c + 16 <= n; c += 16) StoreBf16(y + c, _mm512_loadu_ps(x + c));
+    for (; c + 16 <= n; c += 16) StoreBf16<kNe>(y + c, _mm512_loadu_ps(x + c));
     for (; c < n; ++c) y[c] = ToBf16(x[c]);
   }
 }
@@ -314,13 +328,22 @@ bool Avx512() {
                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("fma");
   return on;
 }
+// Whether StoreBf16 may use vcvtneps2bf16 (AVX512-BF16 and AVX512VL).
+bool Bf16Ne() {
+  static const bool on = Avx512() && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vl");
+  return on;
+}
 // f32_out false (with bf16 only): p is stored rounded alone (the forward's products read nothing else).
 void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16, bool f32_out) {
-  if (Avx512() && t % 16 == 0) return SoftmaxColumns16(st, heads, t, scale, causal, bf16, f32_out || !bf16);
+  if (Avx512() && t % 16 == 0)
+    return Bf16Ne() ? SoftmaxColumns16<true>(st, heads, t, scale, causal, bf16, f32_out || !bf16)
+                    : SoftmaxColumns16<false>(st, heads, t, scale, causal, bf16, f32_out || !bf16);
   SoftmaxColumnsBase(st, heads, t, scale, causal, bf16);
 }
 void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
-  if (Avx512() && t % 16 == 0) return SoftmaxGradColumns16(pt, dst, heads, t, scale, bf16);
+  if (Avx512() && t % 16 == 0)
+    return Bf16Ne() ? SoftmaxGradColumns16<true>(pt, dst, heads, t, scale, bf16)
+                    : SoftmaxGradColumns16<false>(pt, dst, heads, t, scale, bf16);
   SoftmaxGradColumnsBase(pt, dst, heads, t, scale, bf16);
 }
 void Round(const float* x, int64_t n, uint16_t* y) { Avx512() ? RoundAvx512(x, n, y) : RoundBody(x, n, y); }
@@ -331,7 +354,8 @@ void CopyRows(const void* x, int64_t x_step, void* y, int64_t y_step, int64_t ro
   for (int64_t r = 0; r < rows; ++r) std::memcpy(to + r * y_step, from + r * x_step, bytes);
 }
 void RoundRows(const float* x, int64_t x_step, uint16_t* y, int64_t y_step, int64_t rows, int64_t n) {
-  if (Avx512()) return RoundRowsAvx512(x, x_step, y, y_step, rows, n);
+  if (Avx512()) return Bf16Ne() ? RoundRowsAvx512<true>(x, x_step, y, y_step, rows, n)
+                          : RoundRowsAvx512<false>(x, x_step, y, y_step, rows, n);
   for (int64_t r = 0; r < rows; ++r) RoundBody(x + r * x_step, n, y + r * y_step);
 }
 
