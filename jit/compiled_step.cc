@@ -930,6 +930,75 @@ void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& g
 //    read it at once, and an output read only by such reductions is never written to memory. All
 //    the reductions of one kernel over the same axes share the pass (batch norm's backward sums
 //    of dy and dy * x_hat). The order of every sum is Reduce's, so the bits are the unfused ones.
+// The first kernel that reads `a` (f32), or a reshape of the same storage (RoundBeforeReshapes moves a
+// rounding above the reshapes), as an input of the kernel's shape at each element's own index (through
+// elementwise members only, not a broadcast's index map), and whose place in the schedule does not
+// depend on reduction `v` of it: nothing in that kernel, nor in any kernel it reads, is computed from v
+// (the schedule's nodes, as Plan builds them, with v in the kernel's node). Returns the kernel and sets
+// `input` to that input's index, or -1. Not for a variable or an input (nor views of them), nor into a
+// kernel that computes a variable's new value: a kernel with fused sums is never an in-place update
+// (PlanInPlaceUpdates), which would overwrite them anyway.
+int CompiledStep::KernelReadingDirectly(ValueId a, ValueId v, const std::vector<int>& kernel_of, int* input) const {
+  const int n = m_.size();
+  ValueId root = a;
+  while (m_.at(root).op == OpCode::kReshape) root = m_.at(root).operands[0];
+  ValueId base = root;
+  while (m_.at(base).op == OpCode::kSlice) base = m_.at(base).operands[0];
+  if (const OpCode op = m_.at(base).op; op == OpCode::kVariable || op == OpCode::kInput || op == OpCode::kConstant)
+    return -1;
+  std::vector<char> assigned(n, 0);
+  for (const auto& [var, x] : m_.assigns) assigned[x] = 1;
+  const auto users = m_.Users();
+  std::vector<ValueId> same{root};  // the values holding a's elements in a's order: root and its reshapes
+  for (size_t i = 0; i < same.size(); ++i)
+    for (ValueId u : users[same[i]])
+      if (m_.at(u).op == OpCode::kReshape) same.push_back(u);
+  auto node_of = [&](ValueId x) {
+    if (kernel_of[x] >= 0) return n + kernel_of[x];
+    if (reduce_group_of_value_[x] >= 0) return n + reduce_groups_[reduce_group_of_value_[x]].kernel;
+    return static_cast<int>(x);
+  };
+  for (ValueId s : same) {
+    for (ValueId u : users[s]) {
+      const int kk = kernel_of[u];
+      if (kk < 0 || m_.type(s).shape != kernels_[kk].shape) continue;
+      const FusedKernel& k = kernels_[kk];
+      const auto at = std::find(k.inputs.begin(), k.inputs.end(), s);
+      if (at == k.inputs.end()) continue;
+      bool direct = true, updates = false;
+      for (ValueId w : users[s])
+        if (kernel_of[w] == kk) direct &= ir::HasProperty(m_.at(w).op, ir::kElementwise);
+      for (ValueId o : k.outputs) updates |= assigned[o] != 0;
+      if (!direct || updates) continue;
+      // Forward from v's users over the schedule's nodes: reaching the kernel's node would be a cycle.
+      std::vector<char> reached(n + kernels_.size(), 0);
+      std::vector<ValueId> stack(users[v].begin(), users[v].end());
+      bool cycle = false;
+      while (!stack.empty() && !cycle) {
+        const ValueId x = stack.back();
+        stack.pop_back();
+        const int node = node_of(x);
+        if (node == n + kk) cycle = true;
+        if (reached[node]) continue;
+        reached[node] = 1;
+        if (node >= n) {  // a kernel (or its fused reductions): everything read from all of its values
+          for (ValueId m : kernels_[node - n].members)
+            for (ValueId y : users[m]) stack.push_back(y);
+          if (const int g = reduce_group_of_kernel_[node - n]; g >= 0)
+            for (ValueId r : reduce_groups_[g].reductions)
+              for (ValueId y : users[r]) stack.push_back(y);
+        } else {
+          for (ValueId y : users[x]) stack.push_back(y);
+        }
+      }
+      if (cycle) continue;
+      *input = static_cast<int>(at - k.inputs.begin());
+      return kk;
+    }
+  }
+  return -1;
+}
+
 void CompiledStep::FuseReductions(const std::vector<int>& kernel_of, std::vector<char>& external) {
   const int n = m_.size();
   const auto users = m_.Users();
@@ -965,14 +1034,21 @@ void CompiledStep::FuseReductions(const std::vector<int>& kernel_of, std::vector
     outs.erase(std::remove(outs.begin(), outs.end(), o), outs.end());
   }
 
-  // Reductions: grouped by the kernel of their operand, one layout per kernel.
+  // Reductions: grouped by the kernel of their operand, one layout per kernel. A reduction of a value
+  // no kernel computes (an attention gradient, a product's result) joins a kernel that reads that value
+  // element for element (rounding it to bf16 for the next products: the q/k/v and residual gradients of
+  // transformer_lm's bf16 step, whose bias sums were another pass over 2 MB each), unless that kernel
+  // depends on the reduction (layer norm's x - mean(x)): its sums then read the input's window from
+  // memory just after the loop did.
   std::vector<ir::IntList> axes_of(kernels_.size());
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
     if ((in.op != OpCode::kReduceSum && in.op != OpCode::kReduceMean) || kernel_of[v] >= 0) continue;
     const ValueId a = in.operands[0];
-    if (kernel_of[a] < 0 || in.type.dtype != DType::kF32 || m_.type(a).dtype != DType::kF32) continue;
-    const int kk = kernel_of[a];
+    if (in.type.dtype != DType::kF32 || m_.type(a).dtype != DType::kF32) continue;
+    int input = -1;
+    const int kk = kernel_of[a] >= 0 ? kernel_of[a] : KernelReadingDirectly(a, v, kernel_of, &input);
+    if (kk < 0) continue;
     const ir::IntList& axes = in.GetInts("axes");
     int g = reduce_group_of_kernel_[kk];
     if (g < 0) {
@@ -991,7 +1067,8 @@ void CompiledStep::FuseReductions(const std::vector<int>& kernel_of, std::vector
     if (axes_of[kk] != axes || static_cast<int>(group.reductions.size()) == kMaxFusedReductions) continue;
     const auto& outs = kernels_[kk].outputs;
     group.reductions.push_back(v);
-    group.operand.push_back(static_cast<int>(std::find(outs.begin(), outs.end(), a) - outs.begin()));
+    group.operand.push_back(kernel_of[a] >= 0 ? static_cast<int>(std::find(outs.begin(), outs.end(), a) - outs.begin())
+                                              : -1 - input);
     reduce_group_of_value_[v] = g;
   }
   for (ReduceGroup& group : reduce_groups_) {
@@ -1143,6 +1220,9 @@ std::vector<ValueId> CompiledStep::PlanReusedInputs(const std::vector<ValueId>& 
         if (taken[i] || !arena_value(r) || last[r] != p || m_.type(u).dtype != m_.type(v).dtype ||
             m_.type(u).shape != k.shape || m_.type(r).bytes() != m_.type(v).bytes())
           continue;
+        if (g >= 0 && std::find(reduce_groups_[g].operand.begin(), reduce_groups_[g].operand.end(),
+                                -1 - static_cast<int>(i)) != reduce_groups_[g].operand.end())
+          continue;  // its fused sums read it after the loop
         bool direct = true;  // the loop reads r only as this input, element i at i
         for (size_t o = 0; o < k.inputs.size(); ++o) direct &= o == i || home[root[k.inputs[o]]] != r;
         for (ValueId w : users[u]) direct &= !(kernel_of[w] == kk && m_.at(w).op == OpCode::kBroadcast);
@@ -1436,7 +1516,9 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
     const float** operands = ws->fused_operands.data() + slot * kMaxFusedReductions;
     for (int r = 0; r < count; ++r) {
       const int j = g.operand[r];
-      operands[r] = g.windowed[j] ? windows + g.window_of[j] * g.window : static_cast<const float*>(ws->ptr[k.outputs[j]]) + e0;
+      operands[r] = j < 0             ? static_cast<const float*>(bufs[-1 - j]) + e0  // an input, just read
+                    : g.windowed[j] ? windows + g.window_of[j] * g.window
+                                    : static_cast<const float*>(ws->ptr[k.outputs[j]]) + e0;
     }
     return operands;
   };

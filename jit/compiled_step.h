@@ -159,6 +159,7 @@ class CompiledStep {
   CompiledStep() = default;
   void Plan(bool fuse_reductions);
   void FuseReductions(const std::vector<int>& kernel_of, std::vector<char>& external);
+  int KernelReadingDirectly(ir::ValueId a, ir::ValueId v, const std::vector<int>& kernel_of, int* input) const;
   void RunFusedReductions(int group, Workspace* ws) const;
   void PlanViews();
   void PlanPackedCollectives();
@@ -229,13 +230,15 @@ class CompiledStep {
   };
   std::vector<std::vector<Route>> routes_;
   std::vector<std::shared_ptr<const ConvKernel>> conv_;  // per value: its convolution, planned (jit/dnnl_conv.h)
-  // A fused loop with the f32 sums and means of its outputs over one layout: run together a window at
-  // a time (jit/data_movement.h FusedSums), in the kernel's place in the schedule; an output read only
-  // by these reductions goes to a per-thread window, never to memory.
+  // A fused loop with the f32 sums and means of its outputs (or of inputs it reads element for element)
+  // over one layout: run together a window at a time (jit/data_movement.h FusedSums), in the kernel's
+  // place in the schedule; an output read only by these reductions goes to a per-thread window, never
+  // to memory.
   struct ReduceGroup {
     int kernel = -1;
     std::vector<ir::ValueId> reductions;
-    std::vector<int> operand;      // per reduction: its operand's index in the kernel's outputs
+    std::vector<int> operand;      // per reduction: its operand's index in the kernel's outputs, or -1 - i
+                                   // for its input i (summed from memory just after the loop read it)
     std::vector<char> windowed;    // per kernel output: written to the window only
     std::vector<int> window_of;    // per kernel output: its window's index, or -1
     int windows = 0;

@@ -1828,6 +1828,72 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
   }
 }
 
+// A sum of a value no loop computes (a product's result: the bias gradients of transformer_lm's bf16
+// step) runs in the loop that reads that value element for element (its bf16 rounding for the next
+// product), from the loop's input after the loop read it: the unfused bits, also where that loop would
+// otherwise store its output over the dead input (PlanReusedInputs: not over a summed input). A loop
+// computed from the sum itself (layer norm's x - mean(x)) cannot take it: it stays a pass of its own.
+TEST_CASE("reductions of a loop's input run in that loop and give the unfused bits", "[jit]") {
+  struct Layout {
+    ir::Shape x;
+    IntList axes;
+  };
+  for (const Layout& l : {Layout{{300, 40}, {0}}, Layout{{32, 128, 128}, {0, 1}}, Layout{{64, 512}, {0}},
+                          Layout{{40, 30, 50}, {2}}, Layout{{6, 9000}, {1}}}) {
+    std::ostringstream label;
+    label << "sum of a loop's input over [" << l.x[0];
+    for (size_t d = 1; d < l.x.size(); ++d) label << "," << l.x[d];
+    label << "] axes";
+    for (int64_t a : l.axes) label << " " << a;
+    const int64_t cols = l.x.back();
+    int64_t rows = 1;
+    for (size_t d = 0; d + 1 < l.x.size(); ++d) rows *= l.x[d];
+    for (int form = 0; form < 3; ++form) {  // 0: bf16 rounding reads it; 1: x * 2 over it; 2: x - mean(x)
+      CaseBuilder cb(label.str() + (form == 0 ? ", rounded to bf16" : form == 1 ? ", doubled" : ", centred"));
+      ir::Builder& b = cb.b;
+      auto u = cb.In(F({rows, 24})), w = cb.In(F({24, cols}));
+      auto x = b.Reshape(b.Matmul(u, w), l.x);  // no loop computes it
+      ir::ValueId sum = b.Emit(form == 2 ? OpCode::kReduceMean : OpCode::kReduceSum, {x}, {{"axes", l.axes}});
+      ir::ValueId y;
+      if (form == 0) {
+        y = b.Convert(x, DType::kBF16);
+      } else if (form == 1) {
+        y = b.MulScalar(x, 2.0);
+      } else {
+        IntList kept;
+        for (int64_t d = 0; d < static_cast<int64_t>(l.x.size()); ++d)
+          if (!std::binary_search(l.axes.begin(), l.axes.end(), d)) kept.push_back(d);
+        y = b.Sub(x, b.Broadcast(sum, l.x, kept));
+      }
+      cb.c.m.outputs.push_back({"y", y});
+      Case c = cb.Out(sum);
+      jit::JitOptions fused{"", false, false}, unfused{"", false, false};
+      unfused.fuse_reductions = false;
+      auto step = jit::CompiledStep::Compile(c.m, fused), plain = jit::CompiledStep::Compile(c.m, unfused);
+      INFO(c.label);
+      CHECK(step->info().fused_reductions == (form == 2 ? 0 : 1));
+      CHECK(plain->info().fused_reductions == 0);
+      TensorMap vars;
+      jit::Workspace ws1, ws2;
+      const TensorMap got = step->Run(vars, c.inputs, 0, nullptr, &ws1), want = plain->Run(vars, c.inputs, 0, nullptr, &ws2);
+      for (auto& [k, t] : want) {
+        INFO("output " << k);
+        CHECK(std::memcmp(t.raw(), got.at(k).raw(), t.bytes()) == 0);
+      }
+      // And the interpreter's sum (the product's bits may differ: compared within the sum's tolerance).
+      const TensorMap ref = runtime::RunStep(c.m, vars, c.inputs);
+      const Tensor& s = got.at("out");
+      const Tensor& r = ref.at("out");
+      double worst = 0, scale = 0;
+      for (size_t i = 0; i < s.f32.size(); ++i) {
+        worst = std::max(worst, std::abs(double(s.f32[i]) - double(r.f32[i])));
+        scale = std::max(scale, std::abs(double(r.f32[i])));
+      }
+      CHECK(worst <= 1e-4 * std::max(1.0, scale));
+    }
+  }
+}
+
 // Large sums run as parallel blocks of rows (jit/compiled_step.cc, Reduce): they stay within the
 // double-accumulation bound of the interpreter's serial order and give the same bits on every run.
 TEST_CASE("large reductions split into blocks agree with the interpreter and are deterministic", "[jit]") {
