@@ -314,6 +314,21 @@ SS_AVX512 void RoundRowsAvx512(const float* x, int64_t x_step, uint16_t* y, int6
   }
 }
 
+// acc[e] += x[r * step + e] for rows r = 0 .. rows - 1 in order, e < n (a multiple of 16): each column's
+// f64 sum in a register lane down the rows (AttentionGradParts' column sums; ColumnSumsDownRows' order).
+SS_AVX512 void ColumnSumsAvx512(const float* x, int64_t step, int64_t rows, int64_t n, double* acc) {
+  for (int64_t e = 0; e < n; e += 16) {
+    __m512d lo = _mm512_loadu_pd(acc + e), hi = _mm512_loadu_pd(acc + e + 8);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 v = _mm512_loadu_ps(x + r * step + e);
+      lo = _mm512_add_pd(lo, Lo(v));
+      hi = _mm512_add_pd(hi, Hi(v));
+    }
+    _mm512_storeu_pd(acc + e, lo);
+    _mm512_storeu_pd(acc + e + 8, hi);
+  }
+}
+
 #pragma GCC diagnostic pop
 
 template <typename = void>
@@ -353,6 +368,11 @@ void CopyRows(const void* x, int64_t x_step, void* y, int64_t y_step, int64_t ro
   if (Avx512()) return CopyRowsAvx512(from, x_step, to, y_step, rows, bytes);
   for (int64_t r = 0; r < rows; ++r) std::memcpy(to + r * y_step, from + r * x_step, bytes);
 }
+void ColumnSums(const float* x, int64_t step, int64_t rows, int64_t n, double* acc) {
+  if (Avx512() && n % 16 == 0) return ColumnSumsAvx512(x, step, rows, n, acc);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t e = 0; e < n; ++e) acc[e] += x[r * step + e];
+}
 void RoundRows(const float* x, int64_t x_step, uint16_t* y, int64_t y_step, int64_t rows, int64_t n) {
   if (Avx512()) return Bf16Ne() ? RoundRowsAvx512<true>(x, x_step, y, y_step, rows, n)
                           : RoundRowsAvx512<false>(x, x_step, y, y_step, rows, n);
@@ -382,6 +402,7 @@ struct Plan {
   std::array<const Product*, kKinds> product{};
   std::vector<Slot> slots;
   int64_t g = 1;
+  std::vector<double> partial;  // AttentionGradParts' column sums: [blocks][3][H * d], sized at first use
   Slot& ForThisThread() {
     const int index = std::max(0, tbb::this_task_arena::current_thread_index());
     SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond attention's ", slots.size());
@@ -521,33 +542,85 @@ void AttentionForward(const AttentionShape& s, const void* q, const void* k, con
   });
 }
 
+bool AttentionGradPartsFit(const AttentionShape& s, int64_t block_rows) {
+  // A block of rows is whole batch elements, and its heads whole groups (tasks).
+  return s.heads_out > 0 && s.t > 0 && s.heads % s.heads_out == 0 && block_rows > 0 && block_rows % s.t == 0 &&
+         block_rows / s.t * s.heads_out % GroupOf(s) == 0;
+}
+
 void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
-                       float* out) {
+                       float* out, const AttentionGradParts* parts) {
   if (s.heads == 0 || s.t == 0 || s.d == 0) return;
   Plan& plan = PlanFor(s);
   const int64_t g = plan.g, tt = s.t * s.t, total = s.heads * s.t * s.d;
-  float* dq = out;
-  float* dk = out + total;
-  float* dv = out + 2 * total;
-  tbb::parallel_for(int64_t{0}, s.heads / g, [&](int64_t task) {
+  bool sums = false;
+  if (parts)
+    for (float* x : parts->sums) sums |= x != nullptr;
+  SS_CHECK(!parts || s.heads_out > 0, "attention_grad: parts written from a dense layout");
+  SS_CHECK(!sums || AttentionGradPartsFit(s, parts->block_rows), "attention_grad: column sums of a layout it does not fit");
+  const int64_t width = s.heads_out * s.d;  // features per row (sums)
+  const int64_t per_block = sums ? parts->block_rows / s.t * s.heads_out / g : 1;  // tasks per block of rows
+  const int64_t tasks = s.heads / g, blocks = (tasks + per_block - 1) / per_block;
+  if (sums && plan.partial.size() < static_cast<size_t>(blocks * 3 * width)) plan.partial.resize(blocks * 3 * width);
+  // Part i (dq, dk, dv) of the group from h0, staged in the slot: to the f32 result and/or rounded to
+  // bf16, and its rows added to the block's column sums in row order.
+  auto store = [&](int i, const Slot& slot, int64_t h0, int64_t blk) {
+    if (!parts || parts->f32) StoreStaged(s, false, slot, out + i * total, h0, g);
+    if (!parts) return;
+    const float* c = slot.staged.data();
+    if (uint16_t* y = parts->bf16[i])
+      for (int64_t j = 0; j < g; ++j)
+        RoundRows(c + j * s.t * s.d, s.d, y + RowAt(s, s.heads_out, h0 + j, 0), s.heads_out * s.d, s.t, s.d);
+    if (parts->sums[i]) {
+      // Head h0 + j of the group is head (h0 + j) % H of its batch element: columns from that head's d
+      // features on. Each column gets its batch elements' rows in row order (the heads of one column,
+      // in j order, belong to successive batch elements).
+      double* acc = plan.partial.data() + (blk * 3 + i) * width;
+      for (int64_t j = 0; j < g; ++j) ColumnSums(c + j * s.t * s.d, s.d, s.t, s.d, acc + (h0 + j) % s.heads_out * s.d);
+    }
+  };
+  auto group = [&](int64_t task, int64_t blk) {
     Slot& slot = plan.ForThisThread();
     const int64_t h0 = task * g;
     const void* qg = Operand(s, 0, q, h0, g, slot);
     const void* kg = Operand(s, 1, k, h0, g, slot);
     const void* vg = Operand(s, 2, v, h0, g, slot);
     const void* dg = Operand(s, 3, dout, h0, g, slot);
+    const bool staged = parts != nullptr;  // (ResultBlock stages whenever the layout is heads-inner)
+    auto result = [&](int i) { return staged ? slot.staged.data() : ResultBlock(s, false, out + i * total, h0, slot); };
     const float* pt = Probabilities(s, plan, slot, qg, kg, true);
-    Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, ResultBlock(s, false, dv, h0, slot));  // dv = p^T dout
-    StoreStaged(s, false, slot, dv, h0, g);
+    Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, result(2));  // dv = p^T dout
+    if (staged) store(2, slot, h0, blk);
+    else StoreStaged(s, false, slot, out + 2 * total, h0, g);
     float* dst = slot.dp.data();
     Run(slot, plan, kScoresT, vg, dg, dst);         // dp^T = v dout^T
     SoftmaxGradColumns(pt, dst, g, s.t, s.scale, FusedRounding(s, slot.ds));  // ds^T
     const void* ds = ProductOperand(s, dst, g * tt, slot.ds);
-    Run(slot, plan, kTransA, ds, kg, ResultBlock(s, false, dq, h0, slot));  // dq = ds k
-    StoreStaged(s, false, slot, dq, h0, g);
-    Run(slot, plan, kPlain, ds, qg, ResultBlock(s, false, dk, h0, slot));  // dk = ds^T q
-    StoreStaged(s, false, slot, dk, h0, g);
+    Run(slot, plan, kTransA, ds, kg, result(0));  // dq = ds k
+    if (staged) store(0, slot, h0, blk);
+    else StoreStaged(s, false, slot, out, h0, g);
+    Run(slot, plan, kPlain, ds, qg, result(1));  // dk = ds^T q
+    if (staged) store(1, slot, h0, blk);
+    else StoreStaged(s, false, slot, out + total, h0, g);
+  };
+  if (!sums) {
+    tbb::parallel_for(int64_t{0}, tasks, [&](int64_t task) { group(task, 0); });
+    return;
+  }
+  // Blocks of rows in parallel, each block's batch elements in order: every column's sum runs down its
+  // block's rows in row order, from +0, as Reduce's.
+  tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
+    std::fill_n(plan.partial.data() + blk * 3 * width, 3 * width, 0.0);
+    for (int64_t task = blk * per_block; task < std::min(tasks, (blk + 1) * per_block); ++task) group(task, blk);
   });
+  for (int i = 0; i < 3; ++i) {
+    if (!parts->sums[i]) continue;
+    for (int64_t e = 0; e < width; ++e) {
+      double a = plan.partial[i * width + e];
+      for (int64_t blk = 1; blk < blocks; ++blk) a += plan.partial[(blk * 3 + i) * width + e];
+      parts->sums[i][e] = static_cast<float>(a);
+    }
+  }
 }
 
 }  // namespace shardstep::jit

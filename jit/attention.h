@@ -32,10 +32,26 @@ struct AttentionShape {
 // with bf16_out).
 void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out);
 
+// What AttentionBackward may write besides (or instead of) its f32 result, per part (dq, dk, dv), while
+// the part's block of a group of heads is still in cache (jit/compiled_step.cc PlanAttentionGradParts):
+// the part rounded to bf16 in the result's layout (the next products' operand), and its column sums over
+// all B * T rows of H * d features (the projection's bias gradient), in the order of the JIT's Reduce
+// for rows summed in blocks of `block_rows` (each column down the rows of a block in row order, in f64,
+// the blocks added in order): the bits of the reduce_sum it replaces. Needs AttentionGradPartsFit.
+struct AttentionGradParts {
+  std::array<uint16_t*, 3> bf16{};  // null: not wanted
+  std::array<float*, 3> sums{};     // null: not wanted; else H * d floats
+  bool f32 = true;                  // write the f32 result too (something else reads it)
+  int64_t block_rows = 0;           // rows per block of the sums
+};
+// Whether AttentionBackward can write the sums: the result in the heads-inner layout (heads_out = H), and
+// whole batch elements per block of rows, whose heads are whole groups of heads (its tasks).
+bool AttentionGradPartsFit(const AttentionShape& s, int64_t block_rows);
+
 // out [3, heads, t, d] = dq, dk, dv of AttentionForward's output for its gradient dout (the
-// probabilities recomputed from q and k).
+// probabilities recomputed from q and k); `parts` (optional): see AttentionGradParts.
 void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
-                       float* out);
+                       float* out, const AttentionGradParts* parts = nullptr);
 
 // With bf16, p^T and ds^T are rounded to bf16 as the softmax loops write them; on (tests only), by a
 // separate pass over each instead, the form before: both must give the same bits.

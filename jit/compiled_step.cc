@@ -436,8 +436,11 @@ void CompiledStep::Plan(bool fuse_reductions) {
   // nor do the concats and slices whose copies a packed collective saves.
   PlanPackedCollectives();
   PlanRowBlocks();
+  PlanAttentionGradParts(fuse_reductions);
   for (const Step& s : schedule_) {
     DriverStep d;
+    if (s.kernel >= 0 && absorbed_[s.kernel]) continue;  // written by an attention_grad
+    if (s.kernel < 0 && written_by_[s.value] >= 0) continue;
     if (s.kernel >= 0 && reduce_group_of_kernel_[s.kernel] >= 0) {  // the loop and its reductions
       d.kind = DriverStep::Kind::kInstr;
       d.value = reduce_groups_[reduce_group_of_kernel_[s.kernel]].reductions[0];
@@ -930,6 +933,115 @@ void CompiledStep::RunPackedCollective(ValueId v, const runtime::ReplicaGroup& g
 //    read it at once, and an output read only by such reductions is never written to memory. All
 //    the reductions of one kernel over the same axes share the pass (batch norm's backward sums
 //    of dy and dy * x_hat). The order of every sum is Reduce's, so the bits are the unfused ones.
+// attention_grad's parts (dq, dk, dv: slices of its [3, B, T, H, D] result, through reshapes) read by a loop
+// that only rounds the part to bf16 for the next products (with the bias sum FuseReductions put in it), or
+// by a reduce_sum over all its rows (the projection's bias gradient): the op writes those itself while each
+// group's block is in cache (jit/attention.h AttentionGradParts). The loops and reductions leave the driver,
+// their values are written at the op's place in the schedule, and the f32 result is not written at all when
+// nothing else reads it (transformer_lm bf16: 6 MB a layer written and read back). The same bits: the
+// rounding is elementwise, the sums in Reduce's order (ColumnSumsDownRows). Off with fuse_reductions.
+void CompiledStep::PlanAttentionGradParts(bool on) {
+  const int n = m_.size();
+  grad_parts_.clear();
+  grad_parts_of_.assign(n, -1);
+  written_by_.assign(n, -1);
+  absorbed_.assign(kernels_.size(), 0);
+  info_.attention_parts = 0;
+  if (!on) return;
+  std::vector<int> kernel_of(n, -1);
+  for (size_t kk = 0; kk < kernels_.size(); ++kk)
+    for (ValueId v : kernels_[kk].members) kernel_of[v] = static_cast<int>(kk);
+  std::vector<char> kept(n, 0);
+  for (const auto& [name, v] : m_.outputs) kept[v] = 1;
+  for (const auto& [var, v] : m_.assigns) kept[v] = 1;
+  const auto users = m_.Users();
+  for (ValueId g = 0; g < n; ++g) {
+    const ir::Instr& in = m_.at(g);
+    if (in.op != OpCode::kAttentionGrad || LoweringOf(m_, g) != Lowering::kNative || in.type.dtype != DType::kF32 ||
+        kept[g] || in.type.rank() != 5)
+      continue;
+    const Shape& x = in.type.shape;  // [3, B, T, H, D] (AttentionHeadsInPlace)
+    AttentionShape a;
+    a.heads_out = in.GetInt(kHeadsOutAttr, 0);
+    if (a.heads_out <= 0 || x[0] != 3 || x[3] != a.heads_out) continue;
+    a.t = x[2], a.d = x[4], a.heads = x[1] * x[3];
+    const int64_t part = x[1] * x[2] * x[3] * x[4];
+    GradParts gp;
+    gp.f32 = false;
+    bool any = false;
+    for (ValueId s : users[g]) {
+      const ir::Instr& slice = m_.at(s);
+      const ir::IntList start = slice.GetInts("start", {}), limit = slice.GetInts("limit", {});
+      bool whole = slice.op == OpCode::kSlice && start.size() == 5 && limit.size() == 5 && limit[0] == start[0] + 1;
+      for (size_t d = 1; whole && d < 5; ++d) whole = start[d] == 0 && limit[d] == x[d];
+      const int i = whole ? static_cast<int>(start[0]) : -1;
+      if (i < 0 || gp.bf16[i] >= 0 || gp.sums[i] >= 0) {  // something else reads the result
+        gp.f32 = true;
+        continue;
+      }
+      std::vector<ValueId> same{s};  // the part and its reshapes
+      for (size_t j = 0; j < same.size(); ++j)
+        for (ValueId u : users[same[j]])
+          if (m_.at(u).op == OpCode::kReshape) same.push_back(u);
+      ValueId sum = -1, convert = -1;
+      int loop = -1;
+      bool other = false;
+      for (ValueId w : same) {
+        other |= kept[w] != 0;
+        for (ValueId u : users[w]) {
+          const ir::Instr& ui = m_.at(u);
+          if (ui.op == OpCode::kReshape) continue;
+          if (ui.op == OpCode::kReduceSum && sum < 0 && !kept[u] && ui.type.dtype == DType::kF32 && kernel_of[u] < 0) {
+            const ReduceLayout l = LayoutOf(m_.type(w).shape, ui.GetInts("axes"), ui.type.shape);
+            // (At least 4 blocks: the op then runs a block per task, which would leave cores idle.)
+            if (ColumnSumsDownRows(l) && l.rows == x[1] * x[2] && l.n == x[3] * x[4] && l.blocks >= 4 &&
+                AttentionGradPartsFit(a, l.block_rows) && (gp.block_rows == 0 || gp.block_rows == l.block_rows)) {
+              sum = u;
+              gp.block_rows = l.block_rows;
+              continue;
+            }
+          }
+          const int kk = kernel_of[u];
+          if (kk >= 0 && convert < 0 && ui.op == OpCode::kConvert && ui.type.dtype == DType::kBF16 && !kept[u] &&
+              kernels_[kk].members.size() == 1 && kernels_[kk].outputs.size() == 1 && kernels_[kk].inputs.size() == 1 &&
+              kernels_[kk].inputs[0] == w && ui.type.elements() == part) {
+            convert = u;
+            loop = kk;
+            continue;
+          }
+          other = true;
+        }
+      }
+      // The loop's fused sums must be the part's sum, which the op then writes; else the loop stays (and
+      // computes the sum it holds).
+      if (loop >= 0)
+        if (const int rg = reduce_group_of_kernel_[loop]; rg >= 0) {
+          const auto& r = reduce_groups_[rg].reductions;
+          if (sum < 0 || r.size() != 1 || r[0] != sum) {
+            if (std::find(r.begin(), r.end(), sum) != r.end()) sum = -1;
+            loop = -1, convert = -1;
+            other = true;
+          }
+        }
+      if (sum >= 0 && reduce_group_of_value_[sum] >= 0 && (loop < 0 || reduce_groups_[reduce_group_of_value_[sum]].kernel != loop))
+        sum = -1, other = true;  // another loop computes it
+      gp.f32 |= other;
+      if (sum >= 0) gp.sums[i] = sum;
+      if (convert >= 0) {
+        gp.bf16[i] = convert;
+        absorbed_[loop] = 1;
+      }
+      any |= sum >= 0 || convert >= 0;
+    }
+    if (!any) continue;
+    for (int i = 0; i < 3; ++i)
+      for (ValueId v : {gp.bf16[i], gp.sums[i]})
+        if (v >= 0) written_by_[v] = g, ++info_.attention_parts;
+    grad_parts_of_[g] = static_cast<int>(grad_parts_.size());
+    grad_parts_.push_back(gp);
+  }
+}
+
 // The first kernel that reads `a` (f32), or a reshape of the same storage (RoundBeforeReshapes moves a
 // rounding above the reshapes), as an input of the kernel's shape at each element's own index (through
 // elementwise members only, not a broadcast's index map), and whose place in the schedule does not
@@ -1151,6 +1263,14 @@ void CompiledStep::PlanBuffers() {
   for (int p = 0; p < end; ++p)
     if (const ValueId v = schedule_[p].value; schedule_[p].kernel < 0 && packed_of_[v] >= 0)
       for (ValueId o : packed_[packed_of_[v]].outs) first[o] = p;
+  // So does an attention_grad its parts' roundings and sums (PlanAttentionGradParts).
+  for (int p = 0; p < end; ++p)
+    if (const ValueId v = schedule_[p].value; schedule_[p].kernel < 0 && grad_parts_of_[v] >= 0) {
+      const GradParts& gp = grad_parts_[grad_parts_of_[v]];
+      for (int i = 0; i < 3; ++i)
+        for (ValueId o : {gp.bf16[i], gp.sums[i]})
+          if (o >= 0) first[o] = p;
+    }
   for (const auto& [name, v] : m_.outputs) read(v, end);
   for (const auto& [var, v] : m_.assigns) read(v, end);
   const std::vector<ValueId> home = PlanReusedInputs(root, last);
@@ -1206,7 +1326,7 @@ std::vector<ValueId> CompiledStep::PlanReusedInputs(const std::vector<ValueId>& 
     for (ValueId v : kernels_[kk].members) kernel_of[v] = static_cast<int>(kk);
   for (int p = 0; p < static_cast<int>(schedule_.size()); ++p) {
     const int kk = schedule_[p].kernel;
-    if (kk < 0) continue;
+    if (kk < 0 || absorbed_[kk]) continue;
     FusedKernel& k = kernels_[kk];
     const int g = reduce_group_of_kernel_[kk];
     std::vector<char> taken(k.inputs.size(), 0);
@@ -1356,8 +1476,13 @@ std::string CompiledStep::KernelTable() const {
       t += "; sums";
       for (ValueId r : reduce_groups_[g].reductions) t += Str(" %", r);
     }
+    if (absorbed_[kk]) t += Str("; written by attention_grad %", written_by_[k.outputs[0]], " (not run)");
     t += "\n";
   }
+  for (const GradParts& gp : grad_parts_)
+    for (int i = 0; i < 3; ++i)
+      if (gp.sums[i] >= 0 && reduce_group_of_value_[gp.sums[i]] < 0)
+        t += Str("%", gp.sums[i], " written by attention_grad %", written_by_[gp.sums[i]], " (not run)\n");
   return t;
 }
 
@@ -1794,8 +1919,17 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       for (size_t i = 0; i < in.operands.size() && i < a.stored_bf16.size(); ++i)  // ReadBf16OperandsInPlace
         a.stored_bf16[i] = m_.type(in.operands[i]).dtype == DType::kBF16;
       a.bf16_out = in.type.dtype == DType::kBF16;  // AttentionHeadsInPlace took a rounding transpose
-      if (in.op == OpCode::kAttention) AttentionForward(a, P(0), P(1), P(2), out);
-      else AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out));
+      if (in.op == OpCode::kAttention) return AttentionForward(a, P(0), P(1), P(2), out);
+      if (grad_parts_of_[v] < 0) return AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out));
+      const GradParts& gp = grad_parts_[grad_parts_of_[v]];  // PlanAttentionGradParts
+      AttentionGradParts parts;
+      for (int i = 0; i < 3; ++i) {
+        parts.bf16[i] = gp.bf16[i] >= 0 ? static_cast<uint16_t*>(ws->ptr[gp.bf16[i]]) : nullptr;
+        parts.sums[i] = gp.sums[i] >= 0 ? static_cast<float*>(ws->ptr[gp.sums[i]]) : nullptr;
+      }
+      parts.f32 = gp.f32;
+      parts.block_rows = gp.block_rows;
+      AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out), &parts);
       return;
     }
     case OpCode::kDiv:  // s32 (f32 division is fused)

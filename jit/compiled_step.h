@@ -4,6 +4,7 @@
 // op of the table uses), plus the buffer plan that places the step's temporaries in one arena.
 #pragma once
 
+#include <array>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,6 +40,7 @@ struct CompileInfo {
   int folded_products = 0;     // products a reduce-scatter computes and folds itself (with in-process collectives)
   int gathered_updates = 0;    // variables' new values written into them by a packed all-gather (the same)
   int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
+  int attention_parts = 0;     // bf16 roundings and bias sums attention_grad writes itself (PlanAttentionGradParts)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -168,6 +170,7 @@ class CompiledStep {
   void RunPackedCollective(ir::ValueId v, const runtime::ReplicaGroup& group, const StepBinding& b, int replica,
                            runtime::Collectives* c, Workspace* ws) const;
   void PlanInPlaceUpdates();
+  void PlanAttentionGradParts(bool on);
   // The storage of variable gather_slot_[v] in `b`, which all-gather result v is written into.
   void* GatheredInto(ir::ValueId v, const StepBinding& b) const;
   std::vector<ir::ValueId> PlanReusedInputs(const std::vector<ir::ValueId>& root, std::vector<int>& last);
@@ -208,6 +211,18 @@ class CompiledStep {
   std::vector<int> packed_of_;
   std::vector<PackedParts> packed_;
   std::vector<char> elided_;                   // per value: its work is done by a packed collective
+  // attention_grad values that write their parts' bf16 roundings and column sums themselves (jit/attention.h
+  // AttentionGradParts), for the loop and the reductions that did (PlanAttentionGradParts).
+  struct GradParts {
+    std::array<ir::ValueId, 3> bf16{-1, -1, -1};  // per part: the convert it writes, or -1
+    std::array<ir::ValueId, 3> sums{-1, -1, -1};  // per part: the reduce_sum it writes, or -1
+    bool f32 = true;                              // its f32 result is read by something else
+    int64_t block_rows = 0;
+  };
+  std::vector<GradParts> grad_parts_;
+  std::vector<int> grad_parts_of_;             // per value: its index in grad_parts_, or -1
+  std::vector<ir::ValueId> written_by_;        // per value: the attention_grad that writes it, or -1
+  std::vector<char> absorbed_;                 // per kernel: its work is done by an attention_grad
   std::vector<int64_t> offset_;                // per value: offset in the arena, or -1
   // The assignments, in the order that lets each see the values from before the step, and per
   // assignment its offset in the workspace's staging buffer when it is copied through it (else -1).

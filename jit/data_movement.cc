@@ -572,6 +572,8 @@ float RowMax(const float* x, int64_t n) {
 
 }  // namespace
 
+bool ColumnSumsDownRows(const ReduceLayout& l) { return OneColumnBlock(l) && ColumnChains(l) == 1; }
+
 // Reduces `axes` of x (shape `shape`) into out. Max folds in increasing input index order (the
 // interpreter's order). Sums accumulate in double over fixed blocks of rows, run in parallel, whose
 // partial sums are then added in block order; within a row along a reduced last axis (after

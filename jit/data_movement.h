@@ -62,6 +62,11 @@ struct ReduceLayout {
   int64_t nout = 0, total = 0, n = 1, inner = 0, rows = 0, block_rows = 1, blocks = 1;
 };
 ReduceLayout LayoutOf(const ir::Shape& shape, const ir::IntList& axes, const ir::Shape& out_shape);
+// Whether Reduce (and FusedSums) sum layout l as columns down rows: rows of n elements, every row's
+// element i into output i, each output in f64 from +0 down a block's rows in row order, the blocks'
+// sums then added in block order (one chain per block: n is not 16 or 32). A producer that has the
+// rows in that order can make the same bits (jit/attention.h AttentionGradParts).
+bool ColumnSumsDownRows(const ReduceLayout& l);
 
 // Reduces `axes` of x (shape `shape`) into out (T = float or int32_t); `acc` holds partial sums.
 template <typename T>

@@ -21,8 +21,9 @@ struct JitOptions {
   bool disk_cache = true;  // SHARDSTEP_JIT_CACHE=0 in the environment also turns it off
   bool memory_cache = true;  // reuse a step compiled earlier in this process
   // Reductions run inside the fused loops that produce their operands, and broadcasts are read by
-  // every loop that uses them (jit/compiled_step.cc); off: each reduction reads a materialised
-  // operand (the same bits: tests compare the two). SHARDSTEP_JIT_FUSE_REDUCTIONS=0 turns it off too.
+  // every loop that uses them (jit/compiled_step.cc); attention_grad rounds and sums its parts itself
+  // (PlanAttentionGradParts); off: each reduction reads a materialised operand (the same bits: tests
+  // compare the two). SHARDSTEP_JIT_FUSE_REDUCTIONS=0 turns it off too.
   bool fuse_reductions = true;
   // Convolutions with >= 8 channels and the loops between them run on NHWC activations
   // (jit/channels_last.h); off: every convolution on NCHW, as the IR has them.

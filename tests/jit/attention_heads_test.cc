@@ -8,6 +8,7 @@
 // bf16, dout and the forward's output rounded by the op itself), for heads of 32 and of an odd width.
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -141,5 +142,79 @@ TEST_CASE("attention reads and writes the heads' transposes in place: the dense 
     INFO("B " << c.b << " T " << c.t << " H " << c.h << " D " << c.d << (c.bf16 ? " bf16" : " f32")
               << (c.causal ? " causal" : ""));
     Check(c);
+  }
+}
+
+// jit/compiled_step.cc PlanAttentionGradParts: attention_grad's parts read by a loop that only rounds them
+// to bf16 for the next products, and by the projections' bias sums (reduce_sum over all B * T rows), are
+// written by the op itself. Compiled with the JIT's fusions (the op writes them) and without (a loop and a
+// reduction each), the step must give the same bits: the products of the rounded parts and the sums, in
+// blocks of rows (2048 or 1664 rows: 4 blocks of 512, the last short; 4096 rows of 64 features: 4 blocks
+// of 1024, a task 16 heads of 8 batch elements; 2048 rows of 256 tokens: a task one head of 4). With
+// fewer than 4 blocks (256 rows) or heads of 16 features (H * D = 32: Reduce deals rows to two chains)
+// nothing is taken. (Sums in f64 rounded to f32 rarely show their order on such data; the order is
+// Reduce's by construction, attention.cc; a part's sums given to another part fail here, checked.)
+namespace {
+
+struct PartsCase {
+  int64_t b, t, h, d;
+  bool bf16;
+  int parts;  // expected CompileInfo::attention_parts
+};
+
+void CheckParts(const PartsCase& c) {
+  const ir::Shape inner{c.b, c.t, c.h, c.d}, first{c.b, c.h, c.t, c.d}, perm{0, 2, 1, 3};
+  const int64_t width = c.h * c.d, rows = c.b * c.t;
+  ir::Module m;
+  m.name = "attention grad parts";
+  ir::Builder b(&m);
+  auto rounded = [&](ir::ValueId x) { return c.bf16 ? b.Convert(b.Convert(x, DType::kBF16), DType::kF32) : x; };
+  std::vector<ir::ValueId> ops;
+  const char* names[] = {"q", "k", "v", "dout"};
+  for (const char* name : names) {
+    const ir::ValueId x = b.Input(name, {DType::kF32, inner});
+    const ir::ValueId y = b.Mul(x, b.ScalarLike(1.0, x));  // a loop's value, as after a bias add
+    ops.push_back(rounded(b.Transpose(y, perm)));
+  }
+  const ir::Attrs attrs{{"scale", 1.0 / std::sqrt(static_cast<double>(c.d))}, {"causal", int64_t{1}}, {"bf16", int64_t{c.bf16}}};
+  const ir::ValueId grad = b.Emit(OpCode::kAttentionGrad, ops, attrs);
+  const ir::ValueId w = rounded(b.Input("w", {DType::kF32, {width, 8}}));
+  for (int64_t i = 0; i < 3; ++i) {
+    const ir::ValueId part = b.Reshape(b.Slice(grad, {i, 0, 0, 0, 0}, {i + 1, c.b, c.h, c.t, c.d}), first);
+    const ir::ValueId rows_of = b.Reshape(b.Transpose(part, perm), {c.b, c.t, width});  // [B, T, H * D]
+    const ir::ValueId bias = b.Emit(OpCode::kReduceSum, {rows_of}, {{"axes", ir::IntList{0, 1}}});
+    m.outputs.push_back({std::string("bias_") + names[i], b.Mul(bias, b.ScalarLike(1.0, bias))});  // (an update reads it)
+    m.outputs.push_back({std::string("y_") + names[i], b.Matmul(rounded(b.Reshape(rows_of, {rows, width})), w)});
+  }
+  TensorMap inputs;
+  for (uint32_t i = 0; i < 4; ++i) inputs[names[i]] = Random(inner, 40 + i);
+  inputs["w"] = Random({width, 8}, 50);
+  jit::JitOptions fused{"", false, false}, plain{"", false, false};
+  plain.fuse_reductions = false;
+  auto step = jit::CompiledStep::Compile(m, fused), reference = jit::CompiledStep::Compile(m, plain);
+  CHECK(step->info().attention_parts == c.parts);
+  CHECK(reference->info().attention_parts == 0);
+  TensorMap vars;
+  jit::Workspace ws1, ws2;
+  const TensorMap got = step->Run(vars, inputs, 0, nullptr, &ws1), want = reference->Run(vars, inputs, 0, nullptr, &ws2);
+  double total = 0;
+  for (const auto& [name, t] : want) {
+    INFO(name);
+    REQUIRE(got.at(name).bytes() == t.bytes());
+    CHECK(std::memcmp(got.at(name).raw(), t.raw(), t.bytes()) == 0);
+    for (float x : t.f32) total += std::abs(x);
+  }
+  CHECK(std::isfinite(total));
+  CHECK(total > 0);  // not a vacuous comparison
+}
+
+}  // namespace
+
+TEST_CASE("attention_grad rounds and sums its parts itself: the bits of the loops and reductions", "[jit][attention]") {
+  for (const PartsCase& c : {PartsCase{16, 128, 4, 32, true, 6}, PartsCase{13, 128, 4, 32, true, 6},
+                             PartsCase{16, 128, 4, 32, false, 3}, PartsCase{64, 64, 2, 32, true, 6}, PartsCase{8, 256, 4, 32, true, 6},
+                             PartsCase{2, 128, 4, 32, true, 0}, PartsCase{8, 64, 2, 16, true, 0}}) {
+    INFO("B " << c.b << " T " << c.t << " H " << c.h << " D " << c.d << (c.bf16 ? " bf16" : " f32"));
+    CheckParts(c);
   }
 }
