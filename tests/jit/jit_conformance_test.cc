@@ -1772,6 +1772,28 @@ TEST_CASE("broadcasts read per row or per element in fused loops are bitwise equ
 // cut into windows (2 x 70001); a kept last axis), with an operand that is also read elsewhere
 // (materialised and reduced)
 // and one read only by its reductions (never materialised), several sums of one loop in one pass.
+// A case compiled with the JIT's fusions (fuse_reductions) and without; FusedAndPlain::Run returns the
+// first's outputs after checking that every output has the second's bits.
+struct FusedAndPlain {
+  std::shared_ptr<const jit::CompiledStep> fused, plain;
+  explicit FusedAndPlain(const ir::Module& m) {
+    jit::JitOptions on{"", false, false}, off{"", false, false};
+    off.fuse_reductions = false;
+    fused = jit::CompiledStep::Compile(m, on);
+    plain = jit::CompiledStep::Compile(m, off);
+  }
+  TensorMap Run(const TensorMap& inputs) const {
+    TensorMap vars;
+    jit::Workspace ws1, ws2;
+    const TensorMap got = fused->Run(vars, inputs, 0, nullptr, &ws1), want = plain->Run(vars, inputs, 0, nullptr, &ws2);
+    for (auto& [k, t] : want) {
+      INFO("output " << k);
+      CHECK(std::memcmp(t.raw(), got.at(k).raw(), t.bytes()) == 0);
+    }
+    return got;
+  }
+};
+
 TEST_CASE("reductions fused with the loops producing their operands give the unfused bits", "[jit]") {
   struct Layout {
     ir::Shape x;
@@ -1811,20 +1833,12 @@ TEST_CASE("reductions fused with the loops producing their operands give the unf
     cb.c.m.outputs.push_back({"g", g});
     cb.c.m.outputs.push_back({"sum_g", sum_g});
     Case c = cb.Out(sum_gx);
-    jit::JitOptions fused{"", false, false}, unfused{"", false, false};
-    unfused.fuse_reductions = false;
-    auto step = jit::CompiledStep::Compile(c.m, fused), plain = jit::CompiledStep::Compile(c.m, unfused);
+    const FusedAndPlain steps(c.m);
     INFO(c.label);
-    CHECK(step->info().fused_reductions >= 2);  // var and the two sums of dy * tanh(x - mean)
-    CHECK(step->info().windowed_values >= 3);   // (x - mean)^2, g * (x - mean) and the masked dy
-    CHECK(plain->info().fused_reductions == 0);
-    TensorMap vars;
-    jit::Workspace ws1, ws2;
-    const TensorMap got = step->Run(vars, c.inputs, 0, nullptr, &ws1), want = plain->Run(vars, c.inputs, 0, nullptr, &ws2);
-    for (auto& [k, t] : want) {  // (Reduce against the interpreter: the test below)
-      INFO("output " << k);
-      CHECK(std::memcmp(t.raw(), got.at(k).raw(), t.bytes()) == 0);
-    }
+    CHECK(steps.fused->info().fused_reductions >= 2);  // var and the two sums of dy * tanh(x - mean)
+    CHECK(steps.fused->info().windowed_values >= 3);   // (x - mean)^2, g * (x - mean) and the masked dy
+    CHECK(steps.plain->info().fused_reductions == 0);
+    steps.Run(c.inputs);  // (Reduce against the interpreter: the test below)
   }
 }
 
@@ -1867,20 +1881,13 @@ TEST_CASE("reductions of a loop's input run in that loop and give the unfused bi
       }
       cb.c.m.outputs.push_back({"y", y});
       Case c = cb.Out(sum);
-      jit::JitOptions fused{"", false, false}, unfused{"", false, false};
-      unfused.fuse_reductions = false;
-      auto step = jit::CompiledStep::Compile(c.m, fused), plain = jit::CompiledStep::Compile(c.m, unfused);
+      const FusedAndPlain steps(c.m);
       INFO(c.label);
-      CHECK(step->info().fused_reductions == (form == 2 ? 0 : 1));
-      CHECK(plain->info().fused_reductions == 0);
-      TensorMap vars;
-      jit::Workspace ws1, ws2;
-      const TensorMap got = step->Run(vars, c.inputs, 0, nullptr, &ws1), want = plain->Run(vars, c.inputs, 0, nullptr, &ws2);
-      for (auto& [k, t] : want) {
-        INFO("output " << k);
-        CHECK(std::memcmp(t.raw(), got.at(k).raw(), t.bytes()) == 0);
-      }
+      CHECK(steps.fused->info().fused_reductions == (form == 2 ? 0 : 1));
+      CHECK(steps.plain->info().fused_reductions == 0);
+      const TensorMap got = steps.Run(c.inputs);
       // And the interpreter's sum (the product's bits may differ: compared within the sum's tolerance).
+      TensorMap vars;
       const TensorMap ref = runtime::RunStep(c.m, vars, c.inputs);
       const Tensor& s = got.at("out");
       const Tensor& r = ref.at("out");
