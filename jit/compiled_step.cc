@@ -491,11 +491,6 @@ void CompiledStep::Plan(bool fuse_reductions) {
   PlanViews();
   PlanInPlaceUpdates();
   PlanProductParts();
-  static const bool reuse = [] {
-    const char* e = std::getenv("SHARDSTEP_JIT_REUSE");
-    return !(e && std::string(e) == "0");
-  }();
-  reuse_inputs_ = reuse;
   PlanBuffers();
 }
 
@@ -1530,7 +1525,15 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
     return !(e && std::string(e) == "0");
   }();
   const bool fuse = options.fuse_reductions && fuse_env;
-  const std::string mem_key = HashHex(text) + (options.disk_cache ? "d" : "n") + (fuse ? "r" : "u") + options.cache_dir;
+  static const bool reuse_env = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_REUSE");
+    return !(e && std::string(e) == "0");
+  }();
+  const bool reuse = options.reuse_inputs && reuse_env;
+  // Every choice that changes the kernels or the driver is in the keys (a cached step planned the other way
+  // would run other loops over other buffers).
+  const std::string mem_key = HashHex(text) + (options.disk_cache ? "d" : "n") + (fuse ? "r" : "u") + (reuse ? "i" : "o") +
+                              options.cache_dir;
   std::lock_guard<std::mutex> lock(g_cache_mu);
   if (auto it = MemoryCache().find(mem_key); options.memory_cache && it != MemoryCache().end()) {
     auto copy = std::shared_ptr<CompiledStep>(new CompiledStep(*it->second));
@@ -1540,6 +1543,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   }
   auto step = std::shared_ptr<CompiledStep>(new CompiledStep());
   step->m_ = std::move(m);
+  step->reuse_inputs_ = reuse;
   step->Plan(fuse);
   if (JitDumpWanted()) AppendJitModuleText(step->KernelTable());
   step->info_.recomputed_values = recomputed;
@@ -1547,7 +1551,8 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   step->info_.source = "compiled";
   step->jit_ = JitCompiler::Create(options);
   step->jit_->DefineSymbols(StepRuntimeSymbols());
-  step->info_.key = HashHex(text + "|" + kEmitterVersion + (fuse ? "|fused-reductions" : "") + "|" + step->jit_->target_key());
+  step->info_.key = HashHex(text + "|" + kEmitterVersion + (fuse ? "|fused-reductions" : "") +
+                            (reuse ? "" : "|no-reused-inputs") + "|" + step->jit_->target_key());
   if (step->jit_->AddCachedObject(step->info_.key)) {
     step->info_.source = "disk cache";
   } else {

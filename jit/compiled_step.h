@@ -194,7 +194,7 @@ class CompiledStep {
   std::vector<char> separate_;                 // per value: owns a tensor (swapped into its variable)
   std::vector<char> in_place_;                 // per value: its kernel or all-gather writes it into its variable (PlanInPlaceUpdates)
   std::vector<int> gather_slot_;               // per all-gather result (or packed one's slice): the variable slot it is written into, or -1
-  bool reuse_inputs_ = true;                   // PlanReusedInputs runs (SHARDSTEP_JIT_REUSE=0: not, to compare)
+  bool reuse_inputs_ = true;                   // PlanReusedInputs runs (JitOptions::reuse_inputs)
   std::vector<char> view_;                     // per value: a view into its operand's storage (PlanViews)
   // Combined collectives run on their parts (PlanPackedCollectives): a reduce-scatter reads the parts of
   // its concat and an all-gather those of its concat and writes the slices of its result, so neither the

@@ -25,6 +25,10 @@ struct JitOptions {
   // (PlanAttentionGradParts); off: each reduction reads a materialised operand (the same bits: tests
   // compare the two). SHARDSTEP_JIT_FUSE_REDUCTIONS=0 turns it off too.
   bool fuse_reductions = true;
+  // Fused loops store an output over a temporary they read last (PlanReusedInputs); off: never, to
+  // compare. SHARDSTEP_JIT_REUSE=0 turns it off too. Both flags are in the cache keys (they change the
+  // kernels and the driver); other planning is fixed by the module and the JIT's sources.
+  bool reuse_inputs = true;
   // Convolutions with >= 8 channels and the loops between them run on NHWC activations
   // (jit/channels_last.h); off: every convolution on NCHW, as the IR has them.
   bool channels_last = true;
