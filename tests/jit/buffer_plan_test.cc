@@ -21,6 +21,7 @@
 #include "runtime/sharding.h"
 
 #include "tests/jit/counting_new.h"
+#include "tests/test_util.h"
 
 using namespace shardstep;
 using jit::BufferRequest;
@@ -144,11 +145,9 @@ TEST_CASE("an MLP or CNN step after the first allocates no buffers, and its aren
 }
 
 TEST_CASE("the step driver comes out of the disk cache with the kernels and runs the same step", "[jit][cache]") {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("ss_driver_cache_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  const testing::TempDir dir;  // removed at the end, also when a check fails
   jit::JitOptions o;
-  o.cache_dir = dir.string();
+  o.cache_dir = dir.path;
   o.memory_cache = false;
   dsl::Program p = Model("mlp", 8);
   auto cold = jit::CompiledStep::Compile(p.step, o);
@@ -163,18 +162,15 @@ TEST_CASE("the step driver comes out of the disk cache with the kernels and runs
   const runtime::TensorMap oa = cold->Run(a, in, 0, nullptr, &wa), ob = warm->Run(b, in, 0, nullptr, &wb);
   CHECK(oa.at("loss") == ob.at("loss"));
   CHECK(a == b);
-  fs::remove_all(dir);
 }
 
 // Planning that changes the kernels and the driver (here: loop outputs stored over a dead input, or not) is
 // in the cache keys: a step planned the other way from the disk cache would run other loops over other
 // buffers. Each way is compiled once, then comes from the cache, and all give the same step.
 TEST_CASE("steps planned with and without reused inputs are cached apart and run the same step", "[jit][cache]") {
-  namespace fs = std::filesystem;
-  const fs::path dir = fs::temp_directory_path() / ("ss_reuse_cache_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
+  const testing::TempDir dir;
   jit::JitOptions on;
-  on.cache_dir = dir.string();
+  on.cache_dir = dir.path;
   on.memory_cache = false;
   jit::JitOptions off = on;
   off.reuse_inputs = false;
@@ -205,7 +201,6 @@ TEST_CASE("steps planned with and without reused inputs are cached apart and run
     CHECK(outs[i].at("loss") == outs[0].at("loss"));
     CHECK(vars[i] == vars[0]);
   }
-  fs::remove_all(dir);
 }
 
 TEST_CASE("an error inside the step driver is the instruction's message, and the next step runs", "[jit][errors]") {
