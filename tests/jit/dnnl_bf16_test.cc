@@ -79,6 +79,24 @@ TEST_CASE("bf16 matmul: the same bits across calls and thread counts") {
   CHECK(Run(false, true, 1, m, n, k, a, b) == two);
 }
 
+// A^T B taller than wide (a weight gradient such as transformer_lm's fc2, 512x128x4096) runs turned
+// around, C^T = B^T A, then transposed: right, and the same bits on any threads.
+TEST_CASE("bf16 matmul: a transposed A taller than wide runs turned around, right on any threads") {
+  jit::ConfigureThreadsForReplica(1);
+  struct Case {
+    int64_t m, n, k;
+  };
+  for (const Case& s : {Case{300, 37, 260}, Case{512, 128, 512}, Case{128, 63, 1024}}) {
+    INFO(s.m << "x" << s.n << "x" << s.k);
+    const auto a = Bf16Values(s.m * s.k, 11), b = Bf16Values(s.k * s.n, 12);
+    const auto c = Run(true, false, 1, s.m, s.n, s.k, a, b);
+    CheckAgainstFloat64(true, false, 1, s.m, s.n, s.k, a, b, c);
+    CHECK(Run(true, false, 1, s.m, s.n, s.k, a, b) == c);
+    tbb::global_control one(tbb::global_control::max_allowed_parallelism, 1);
+    CHECK(Run(true, false, 1, s.m, s.n, s.k, a, b) == c);
+  }
+}
+
 // Small products of a batch run several per oneDNN call (a 3D primitive): each product within f32
 // accumulation of its float64 value, and the same bits whatever the threads. Not the bits each has
 // alone: on AMX (oneDNN's brgemm kernels) a 3D call may block the sum over k otherwise than a 2D one.
