@@ -543,7 +543,9 @@ void CompiledStep::PlanViews() {
 //    broadcast's index map, and nothing else reads the variable's storage (its reshapes, views, other
 //    assignments, outputs) after the loop starts;
 //  - nothing scheduled after the loop can fail on the data (a collective, or an instruction outside the
-//    fused loops, matmuls and copies), so a step that throws still leaves every variable as it was.
+//    fused loops, matmuls and copies), so a step that throws still leaves every variable as it was; or the
+//    loop runs after a rendezvous of every replica (an all-reduce, reduce-scatter or all-gather over all)
+//    after which nothing can fail on any replica (later collectives then complete too).
 void CompiledStep::PlanInPlaceUpdates() {
   const int n = m_.size(), end = static_cast<int>(schedule_.size());
   in_place_.assign(n, 0);
@@ -604,10 +606,32 @@ void CompiledStep::PlanInPlaceUpdates() {
   const auto users = m_.Users();
   std::vector<int> assigned(n, 0);
   for (const auto& [var, v] : m_.assigns) ++assigned[var];
+  // Per position: the last all-reduce, reduce-scatter or all-gather over every replica before it (-1: none).
+  // Its completion means every replica ran everything before it without failing; if nothing after it can
+  // fail on any replica (may_fail_after_rendezvous), a loop after it may update in place although
+  // collectives follow (the sharded update's optimizer state, before the weights' all-gathers: at N = 8 the
+  // MLP's m and v shards were written to buffers of their own and swapped in).
+  std::vector<int> full_rendezvous_before(end + 1, -1);
+  for (int p = 0; p < end; ++p) {
+    full_rendezvous_before[p + 1] = full_rendezvous_before[p];
+    const Step& s = schedule_[p];
+    if (s.kernel >= 0 || LoweringOf(m_, s.value) != Lowering::kCollective) continue;
+    const OpCode op = m_.at(s.value).op;
+    if (op != OpCode::kAllReduce && op != OpCode::kReduceScatter && op != OpCode::kAllGather) continue;
+    bool full = !routes_[s.value].empty();
+    for (const Route& route : routes_[s.value])
+      full &= route.error.empty() && static_cast<int>(route.group.size()) == m_.num_replicas;
+    if (full) full_rendezvous_before[p + 1] = p;
+  }
+  auto nothing_fails_after = [&](int p) {
+    if (!may_fail_from[p + 1]) return true;
+    const int q = full_rendezvous_before[p];
+    return q >= 0 && !may_fail_after_rendezvous[q + 1];
+  };
   for (const auto& [var, v] : m_.assigns) {
     const int kk = kernel_of[v];
     if (!swappable_[v] || kk < 0 || reduce_group_of_kernel_[kk] >= 0 || assigned[var] != 1 || in_place_[v]) continue;
-    if (may_fail_from[at_kernel[kk] + 1] || read_at_end[var]) continue;
+    if (!nothing_fails_after(at_kernel[kk]) || read_at_end[var]) continue;
     FusedKernel& k = kernels_[kk];
     bool only_here = true;
     for (ValueId u : users[v]) only_here &= kernel_of[u] == kk;

@@ -303,5 +303,66 @@ TEST_CASE("an all-gather's result assigned to its variable is written into it, a
     CHECK(step->info().gathered_updates == 0);
   }
 }
+
+// A loop after a rendezvous of every replica (an all-reduce over both) may update in place although a
+// collective follows it: every replica got past everything that can fail, so the all-gather after it
+// completes too (the sharded weight update's optimizer state, updated before the weights' all-gathers).
+// s' = 0.5 s + all_reduce(g); t = s' + 1 (the same loop) is all-gathered after it. Two replicas, two steps,
+// the interpreter's bits; each section is a mutation check of one condition.
+struct AfterRendezvous {
+  ir::Module m;
+  ir::ValueId s = -1;
+};
+
+AfterRendezvous MakeAfterRendezvous(const ir::IntLists& groups) {
+  AfterRendezvous a;
+  a.m.name = "after_rendezvous";
+  a.m.num_replicas = 2;
+  ir::Builder b(&a.m);
+  const ir::TensorType t{ir::DType::kF32, {6}};
+  a.s = b.Variable("s", t, ir::kRoleOptimizerState);
+  const ir::ValueId g = b.Input("g", t);
+  const ir::ValueId s2 = b.Add(b.MulScalar(a.s, 0.5), b.AllReduce(g, "sum", groups));
+  a.m.outputs.push_back({"gathered", b.Emit(ir::OpCode::kAllGather, {b.AddScalar(s2, 1)}, {{"group_size", int64_t{2}}})});
+  a.m.assigns = {{a.s, s2}};
+  return a;
+}
+
+void CheckAfterRendezvous(const ir::Module& m, int in_place) {
+  auto step = Compile(m);
+  CHECK(step->info().in_place_updates == in_place);
+  const ir::TensorType t{ir::DType::kF32, {6}};
+  std::vector<TensorMap> jit_vars(2), ref_vars(2), jit_out(2), ref_out(2);
+  for (int r = 0; r < 2; ++r) jit_vars[r] = ref_vars[r] = {{"s", Ramp(t, 1, static_cast<float>(r))}};
+  const float* storage[] = {jit_vars[0].at("s").f32.data(), jit_vars[1].at("s").f32.data()};
+  std::vector<jit::Workspace> ws(2);
+  runtime::InProcessCollectives c(2), ref_c(2);
+  for (int k = 0; k < 2; ++k) {
+    INFO("step " << k + 1);
+    std::vector<TensorMap> in(2);
+    for (int r = 0; r < 2; ++r) in[r] = {{"g", Ramp(t, 2, static_cast<float>(3 * k + r))}};
+    runtime::RunReplicas(2, &c, [&](int r) { jit_out[r] = step->Run(jit_vars[r], in[r], r, &c, &ws[r]); });
+    runtime::RunReplicas(2, &ref_c, [&](int r) { ref_out[r] = runtime::RunStep(m, ref_vars[r], in[r], r, &ref_c); });
+    for (int r = 0; r < 2; ++r) {
+      INFO("replica " << r);
+      CHECK(jit_out[r] == ref_out[r]);
+      CHECK(jit_vars[r] == ref_vars[r]);
+      if (in_place == 1) CHECK(jit_vars[r].at("s").f32.data() == storage[r]);
+    }
+  }
+}
+
+TEST_CASE("a loop after a rendezvous of every replica updates in place although collectives follow", "[jit][in_place]") {
+  SECTION("an all-reduce over both replicas before the loop: in place") { CheckAfterRendezvous(MakeAfterRendezvous({}).m, 1); }
+  SECTION("the all-reduce over groups of one: no rendezvous of every replica") {
+    CheckAfterRendezvous(MakeAfterRendezvous({{0}, {1}}).m, 0);
+  }
+  SECTION("an instruction that can fail after the rendezvous") {
+    AfterRendezvous a = MakeAfterRendezvous({});
+    ir::Builder b(&a.m);
+    a.m.outputs.push_back({"q", b.Emit(ir::OpCode::kDiv, {b.Input("n", {ir::DType::kS32, {}}), b.Input("d", {ir::DType::kS32, {}})})});
+    CHECK(Compile(a.m)->info().in_place_updates == 0);
+  }
+}
 }  // namespace
 }  // namespace shardstep
