@@ -3,11 +3,13 @@
 // with the interpreter's bits over several steps and TBB chunks; a variable read after its loop (by an
 // output, another assignment, a later copy) keeps its own buffer and every reader sees the old value; and
 // when an instruction that can fail runs after the loop, nothing is updated in place, so a failed step
-// leaves every variable as it was. The same mechanism stores a loop's output over a temporary the loop
+// leaves every variable as it was (a collective after the loop does not stop it when a rendezvous of every
+// replica comes before the loop and nothing after that can fail). The same mechanism stores a loop's output over a temporary the loop
 // reads last (PlanReusedInputs), and an all-gather's result into the variable it is assigned to (the
 // sharded weight update's), both checked at the end.
 #include <catch2/catch.hpp>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -246,35 +248,43 @@ Gathered MakeGathered() {
   return g;
 }
 
-// Two steps on two replicas; each replica's @w must be the gathered rows, every output the
-// interpreter's (its RunStep on the same collectives), and @w's storage where it was when `in_place`.
-// Each section is a mutation check of one condition (the counts fail if the condition is dropped).
-void CheckGathered(const ir::Module& m, int gathered, bool in_place) {
+// Two steps on two replicas (in-process collectives) against the interpreter's RunStep on collectives of
+// its own: every output and variable the same bits, and with `same_storage` variable `var` still where it
+// was (a swapped buffer may come back too, so only that way round). Input `input` of step k on replica r:
+// Ramp(scale, offset(k, r)).
+void CheckTwoReplicaSteps(const ir::Module& m, std::vector<TensorMap> jit_vars, const std::string& input,
+                          const ir::TensorType& input_type, float scale, const std::function<float(int, int)>& offset,
+                          const std::string& var, bool same_storage) {
   auto step = Compile(m);
-  CHECK(step->info().gathered_updates == gathered);
-  const ir::TensorType wt{ir::DType::kF32, {4, 3}}, xt{ir::DType::kF32, {2, 3}};
-  std::vector<TensorMap> jit_vars(2), ref_vars(2), jit_out(2), ref_out(2);
-  for (int r = 0; r < 2; ++r) {
-    for (ir::ValueId v = 0; v < m.size(); ++v)
-      if (m.at(v).op == ir::OpCode::kVariable) jit_vars[r][m.at(v).name] = Ramp(m.at(v).type, 1, 3);
-    ref_vars[r] = jit_vars[r];
-  }
-  const float* storage[] = {jit_vars[0].at("w").f32.data(), jit_vars[1].at("w").f32.data()};
+  std::vector<TensorMap> ref_vars = jit_vars, jit_out(2), ref_out(2);
+  const float* storage[] = {jit_vars[0].at(var).f32.data(), jit_vars[1].at(var).f32.data()};
   std::vector<jit::Workspace> ws(2);
   runtime::InProcessCollectives c(2), ref_c(2);
-  for (int s = 0; s < 2; ++s) {
-    INFO("step " << s + 1);
+  for (int k = 0; k < 2; ++k) {
+    INFO("step " << k + 1);
     std::vector<TensorMap> in(2);
-    for (int r = 0; r < 2; ++r) in[r] = {{"x", Ramp(xt, 1, static_cast<float>(10 * s + 4 * r))}};
+    for (int r = 0; r < 2; ++r) in[r] = {{input, Ramp(input_type, scale, offset(k, r))}};
     runtime::RunReplicas(2, &c, [&](int r) { jit_out[r] = step->Run(jit_vars[r], in[r], r, &c, &ws[r]); });
     runtime::RunReplicas(2, &ref_c, [&](int r) { ref_out[r] = runtime::RunStep(m, ref_vars[r], in[r], r, &ref_c); });
     for (int r = 0; r < 2; ++r) {
       INFO("replica " << r);
       CHECK(jit_out[r] == ref_out[r]);
       CHECK(jit_vars[r] == ref_vars[r]);
-      if (in_place) CHECK(jit_vars[r].at("w").f32.data() == storage[r]);  // (a swapped buffer may come back too)
+      if (same_storage) CHECK(jit_vars[r].at(var).f32.data() == storage[r]);
     }
   }
+}
+
+// Each replica's @w must be the gathered rows. Each section is a mutation check of one condition (the
+// counts fail if the condition is dropped).
+void CheckGathered(const ir::Module& m, int gathered, bool in_place) {
+  CHECK(Compile(m)->info().gathered_updates == gathered);
+  std::vector<TensorMap> vars(2);
+  for (int r = 0; r < 2; ++r)
+    for (ir::ValueId v = 0; v < m.size(); ++v)
+      if (m.at(v).op == ir::OpCode::kVariable) vars[r][m.at(v).name] = Ramp(m.at(v).type, 1, 3);
+  CheckTwoReplicaSteps(m, vars, "x", {ir::DType::kF32, {2, 3}}, 1,
+                       [](int k, int r) { return static_cast<float>(10 * k + 4 * r); }, "w", in_place);
 }
 
 TEST_CASE("an all-gather's result assigned to its variable is written into it, and only then", "[jit][in_place]") {
@@ -329,27 +339,11 @@ AfterRendezvous MakeAfterRendezvous(const ir::IntLists& groups) {
 }
 
 void CheckAfterRendezvous(const ir::Module& m, int in_place) {
-  auto step = Compile(m);
-  CHECK(step->info().in_place_updates == in_place);
+  CHECK(Compile(m)->info().in_place_updates == in_place);
   const ir::TensorType t{ir::DType::kF32, {6}};
-  std::vector<TensorMap> jit_vars(2), ref_vars(2), jit_out(2), ref_out(2);
-  for (int r = 0; r < 2; ++r) jit_vars[r] = ref_vars[r] = {{"s", Ramp(t, 1, static_cast<float>(r))}};
-  const float* storage[] = {jit_vars[0].at("s").f32.data(), jit_vars[1].at("s").f32.data()};
-  std::vector<jit::Workspace> ws(2);
-  runtime::InProcessCollectives c(2), ref_c(2);
-  for (int k = 0; k < 2; ++k) {
-    INFO("step " << k + 1);
-    std::vector<TensorMap> in(2);
-    for (int r = 0; r < 2; ++r) in[r] = {{"g", Ramp(t, 2, static_cast<float>(3 * k + r))}};
-    runtime::RunReplicas(2, &c, [&](int r) { jit_out[r] = step->Run(jit_vars[r], in[r], r, &c, &ws[r]); });
-    runtime::RunReplicas(2, &ref_c, [&](int r) { ref_out[r] = runtime::RunStep(m, ref_vars[r], in[r], r, &ref_c); });
-    for (int r = 0; r < 2; ++r) {
-      INFO("replica " << r);
-      CHECK(jit_out[r] == ref_out[r]);
-      CHECK(jit_vars[r] == ref_vars[r]);
-      if (in_place == 1) CHECK(jit_vars[r].at("s").f32.data() == storage[r]);
-    }
-  }
+  std::vector<TensorMap> vars(2);
+  for (int r = 0; r < 2; ++r) vars[r] = {{"s", Ramp(t, 1, static_cast<float>(r))}};
+  CheckTwoReplicaSteps(m, vars, "g", t, 2, [](int k, int r) { return static_cast<float>(3 * k + r); }, "s", in_place == 1);
 }
 
 TEST_CASE("a loop after a rendezvous of every replica updates in place although collectives follow", "[jit][in_place]") {
