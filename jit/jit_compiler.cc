@@ -19,6 +19,8 @@
 #include <llvm/IR/Module.h>
 #include <llvm/IR/Verifier.h>
 #include <llvm/Passes/PassBuilder.h>
+#include <llvm/Transforms/IPO/AlwaysInliner.h>
+#include <llvm/Transforms/IPO/GlobalDCE.h>
 #include <llvm/Support/MemoryBuffer.h>
 #include <llvm/Support/TargetSelect.h>
 #include <llvm/Target/TargetMachine.h>
@@ -34,6 +36,7 @@
 #include <sstream>
 
 #include "ir/error.h"
+#include "jit/avx512_variants.h"
 #include "jit/vector_math.h"
 
 namespace shardstep::jit {
@@ -235,6 +238,27 @@ struct VectorizeRemarks : llvm::DiagnosticHandler {
 };
 }  // namespace
 
+namespace {
+// Functions marked kLateInlineAttr (jit/avx512_variants.h) were noinline through O3, so that the loop
+// vectoriser could map their calls to their vector variants: now inlined everywhere and removed.
+void InlineLate(llvm::Module& m, llvm::ModuleAnalysisManager& mam) {
+  bool any = false;
+  for (llvm::Function& f : m) {
+    if (!f.hasFnAttribute(kLateInlineAttr)) continue;
+    f.removeFnAttr(llvm::Attribute::NoInline);
+    f.addFnAttr(llvm::Attribute::AlwaysInline);
+    any = true;
+  }
+  if (!any) return;
+  // Only the late-inlined functions are in llvm.compiler.used (kept there through O3).
+  if (llvm::GlobalVariable* used = m.getNamedGlobal("llvm.compiler.used")) used->eraseFromParent();
+  llvm::ModulePassManager late;
+  late.addPass(llvm::AlwaysInlinerPass());
+  late.addPass(llvm::GlobalDCEPass());
+  late.run(m, mam);
+}
+}  // namespace
+
 void JitCompiler::Optimize(llvm::Module& m, std::vector<std::string>* vectorize_remarks) {
   std::unique_ptr<llvm::DiagnosticHandler> saved;
   if (vectorize_remarks) {
@@ -258,6 +282,7 @@ void JitCompiler::Optimize(llvm::Module& m, std::vector<std::string>* vectorize_
   pb.crossRegisterProxies(lam, fam, cgam, mam);
   llvm::ModulePassManager mpm = pb.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3);
   mpm.run(m, mam);
+  InlineLate(m, mam);
   if (vectorize_remarks) m.getContext().setDiagnosticHandler(std::move(saved));
 }
 

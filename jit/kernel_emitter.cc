@@ -31,6 +31,7 @@
 #include <unordered_map>
 
 #include "ir/error.h"
+#include "jit/avx512_variants.h"
 #include "jit/vector_math.h"
 #include "runtime/tensor.h"
 
@@ -68,6 +69,11 @@ class Emitter {
     body->addFnAttr(llvm::Attribute::AlwaysInline);
     body->addFnAttr(llvm::Attribute::NoUnwind);
     for (size_t i = 0; i < nbuf; ++i) body->addParamAttr(static_cast<unsigned>(i), llvm::Attribute::NoAlias);
+    // A loop with vector math is compute-bound and runs 16 lanes wide (WideAndInterleaved): its bf16
+    // rounding and exp's scaling take AVX-512 instructions of their own where the host has them.
+    const bool wide = !libm_ && HasVectorMath(k);
+    bf16_variant_ = wide && HostHasAvx512Bf16();
+    scale_variant_ = wide && HostHasAvx512F();
     EmitBody(k, body);
 
     // The entry: unpacks bufs.
@@ -104,14 +110,10 @@ class Emitter {
     return b.CreateBitCast(b.CreateShl(b.CreateZExt(v, b.getInt32Ty()), 16), b.getFloatTy());
   }
 
-  // f32 -> bf16 bits, round to nearest even; a NaN keeps its sign and top payload and is made quiet.
+  // f32 -> bf16 bits, round to nearest even; a NaN keeps its sign and top payload and is made quiet
+  // (jit/avx512_variants.h: vcvtneps2bf16 in the 16-lane loops of a kernel with vector math).
   llvm::Value* Bf16Bits(llvm::IRBuilder<>& b, llvm::Value* f) {
-    llvm::Value* u = b.CreateBitCast(f, b.getInt32Ty());
-    llvm::Value* hi = b.CreateLShr(u, 16);
-    llvm::Value* bias = b.CreateAdd(b.getInt32(0x7fff), b.CreateAnd(hi, b.getInt32(1)));
-    llvm::Value* rounded = b.CreateLShr(b.CreateAdd(u, bias), 16);
-    llvm::Value* quiet = b.CreateOr(hi, b.getInt32(0x40));
-    return b.CreateTrunc(b.CreateSelect(b.CreateFCmpUNO(f, f), quiet, rounded), b.getInt16Ty());
+    return bf16_variant_ ? EmitBf16BitsVectorised(b, f) : EmitBf16Bits(b, f);
   }
 
   // f rounded to the nearest bf16, kept as f32 (the value every bf16-typed member holds).
@@ -373,7 +375,9 @@ class Emitter {
     return vector_math;
   }
 
-  llvm::Value* Exp(llvm::IRBuilder<>& b, llvm::Value* a) { return libm_ ? LibmCall(b, "expf", {a}) : EmitExp(b, a); }
+  llvm::Value* Exp(llvm::IRBuilder<>& b, llvm::Value* a) {
+    return libm_ ? LibmCall(b, "expf", {a}) : EmitExp(b, a, kExpCoefficients, scale_variant_);
+  }
 
   llvm::Value* Intrinsic(llvm::IRBuilder<>& b, llvm::Intrinsic::ID id, llvm::Value* a) {
     return b.CreateUnaryIntrinsic(id, a);
@@ -395,7 +399,7 @@ class Emitter {
       case OpCode::kLog: return libm_ ? LibmCall(b, "logf", {x[0]}) : EmitLog(b, x[0]);
       case OpCode::kSqrt: return Intrinsic(b, llvm::Intrinsic::sqrt, x[0]);
       case OpCode::kRsqrt: return b.CreateFDiv(one, Intrinsic(b, llvm::Intrinsic::sqrt, x[0]));
-      case OpCode::kTanh: return libm_ ? LibmCall(b, "tanhf", {x[0]}) : EmitTanh(b, x[0]);
+      case OpCode::kTanh: return libm_ ? LibmCall(b, "tanhf", {x[0]}) : EmitTanh(b, x[0], scale_variant_);
       case OpCode::kSin: return LibmCall(b, "sinf", {x[0]});
       case OpCode::kCos: return LibmCall(b, "cosf", {x[0]});
       case OpCode::kSigmoid: return b.CreateFDiv(one, b.CreateFAdd(one, Exp(b, b.CreateFNeg(x[0]))));
@@ -451,6 +455,7 @@ class Emitter {
   llvm::LLVMContext& ctx_;
   llvm::Module& mod_;
   const bool libm_ = ScalarLibm();
+  bool bf16_variant_ = false, scale_variant_ = false;  // the kernel being emitted uses jit/avx512_variants.h
 };
 
 }  // namespace

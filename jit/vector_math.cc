@@ -31,6 +31,8 @@
 #include <cstring>
 #include <limits>
 
+#include "jit/avx512_variants.h"
+
 namespace shardstep::jit {
 
 bool ScalarLibm() {
@@ -73,27 +75,23 @@ struct Ops {
 
 }  // namespace
 
-llvm::Value* EmitExp(llvm::IRBuilder<>& b, llvm::Value* x, const ExpCoefficients& c) {
+llvm::Value* EmitExp(llvm::IRBuilder<>& b, llvm::Value* x, const ExpCoefficients& c, bool avx512_variants) {
   Ops o{b};
   llvm::Type* f = x->getType();
-  llvm::Type* i32 = Shaped(f, b.getInt32Ty());
   // At or below -104 the result is +0 (what the clamp below gave too). Such lanes compute from 0
   // instead: an underflowing product costs a microcode assist (~100+ cycles per vector on x86), and
   // causal masks send half of softmax's inputs here (its exp-and-sum loop: 4x faster).
   llvm::Value* underflow = b.CreateFCmpOLE(x, o.C(f, -104.0));
   llvm::Value* xc = b.CreateSelect(underflow, o.C(f, 0.0), o.Clamp(x, -104.0, 104.0));
   llvm::Value* kf = b.CreateUnaryIntrinsic(llvm::Intrinsic::rint, b.CreateFMul(xc, o.C(f, 1.44269504088896341f)));
-  llvm::Value* k = b.CreateFPToSI(kf, i32);  // |k| <= 151
   // ln2 = L2U + L2L, L2U with 16 significant bits: k L2U is exact.
   llvm::Value* r = o.Fma(kf, o.C(f, -0.693145751953125f), xc);
   r = o.Fma(kf, o.C(f, -1.428606765330187045e-06f), r);
   llvm::Value* p = o.C(f, c[0]);
   for (size_t i = 1; i < c.size(); ++i) p = o.Fma(p, r, o.C(f, c[i]));
   llvm::Value* u = b.CreateFAdd(o.C(f, 1.0), o.Fma(b.CreateFMul(r, r), p, r));
-  // 2^h and 2^(k-h), h = k >> 1: both normal for |k| <= 252.
-  llvm::Value* h = b.CreateAShr(k, o.I(i32, 1));
-  auto pow2 = [&](llvm::Value* e) { return b.CreateBitCast(b.CreateShl(b.CreateAdd(e, o.I(i32, 127)), o.I(i32, 23)), f); };
-  llvm::Value* y = b.CreateFMul(b.CreateFMul(u, pow2(h)), pow2(b.CreateSub(k, h)));
+  // u 2^k as (u 2^h) 2^(k-h), h = k >> 1: both factors normal for |k| <= 252 (|k| <= 151 here).
+  llvm::Value* y = avx512_variants ? EmitScaleByPow2Vectorised(b, u, kf) : EmitScaleByPow2(b, u, kf);
   return o.KeepNaN(x, b.CreateSelect(underflow, o.C(f, 0.0), y));
 }
 
@@ -129,7 +127,7 @@ constexpr float kTanhSmall = 0.7f;
 constexpr float kTanhPoly[8] = {-3.333333331e-01f, 1.333333158e-01f,  -5.396784104e-02f, 2.186478764e-02f,
                                 -8.833445452e-03f, 3.480436432e-03f, -1.204623801e-03f, 2.597267812e-04f};
 
-llvm::Value* EmitTanh(llvm::IRBuilder<>& b, llvm::Value* x) {
+llvm::Value* EmitTanh(llvm::IRBuilder<>& b, llvm::Value* x, bool avx512_variants) {
   Ops o{b};
   llvm::Type* f = x->getType();
   llvm::Value* a = b.CreateUnaryIntrinsic(llvm::Intrinsic::fabs, x);
@@ -142,7 +140,7 @@ llvm::Value* EmitTanh(llvm::IRBuilder<>& b, llvm::Value* x) {
   // (<= 0.97 ulp) reaches it scaled down by 2 / (e + 1) <= 0.4. |x| clamped to 9.5 (tanh rounds to 1
   // from 9.01; NaN goes to 9.5 and is patched below).
   llvm::Value* ac = b.CreateSelect(b.CreateFCmpOLT(a, o.C(f, 9.5)), a, o.C(f, 9.5));
-  llvm::Value* e = EmitExp(b, b.CreateFAdd(ac, ac));
+  llvm::Value* e = EmitExp(b, b.CreateFAdd(ac, ac), kExpCoefficients, avx512_variants);
   llvm::Value* big = b.CreateFSub(o.C(f, 1.0), b.CreateFDiv(o.C(f, 2.0), b.CreateFAdd(e, o.C(f, 1.0))));
   llvm::Value* t = b.CreateSelect(b.CreateFCmpOLT(a, o.C(f, kTanhSmall)), small, big);
   return o.KeepNaN(x, b.CreateBinaryIntrinsic(llvm::Intrinsic::copysign, t, x));

@@ -20,9 +20,12 @@ bool ScalarLibm();
 using ExpCoefficients = std::array<float, 6>;
 extern const ExpCoefficients kExpCoefficients;
 
-// Each takes and returns an f32 value (scalar or vector); the IR computes element-wise.
-llvm::Value* EmitExp(llvm::IRBuilder<>& b, llvm::Value* x, const ExpCoefficients& c = kExpCoefficients);
+// Each takes and returns an f32 value (scalar or vector); the IR computes element-wise. With
+// avx512_variants (a scalar x, in a loop the vectoriser runs 16 lanes wide, on a host with AVX-512F),
+// exp's u 2^k is a call mapped to vscalefps (jit/avx512_variants.h): the same bits.
+llvm::Value* EmitExp(llvm::IRBuilder<>& b, llvm::Value* x, const ExpCoefficients& c = kExpCoefficients,
+                     bool avx512_variants = false);
 llvm::Value* EmitLog(llvm::IRBuilder<>& b, llvm::Value* x);
-llvm::Value* EmitTanh(llvm::IRBuilder<>& b, llvm::Value* x);
+llvm::Value* EmitTanh(llvm::IRBuilder<>& b, llvm::Value* x, bool avx512_variants = false);
 
 }  // namespace shardstep::jit
