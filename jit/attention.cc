@@ -150,17 +150,20 @@ void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool c
     }
   }
 }
-// dst[j, i] = pt[j, i] (dst[j, i] - sum over j of dst[j, i] pt[j, i]) * scale, dst holding dp^T.
-void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
+// dst[j, i] = pt[j, i] (dst[j, i] - sum over j of dst[j, i] pt[j, i]) * scale, dst holding dp^T; with
+// causal, over the keys j <= i only, and 0 for the masked ones (the interpreter's AttentionGrad).
+void SoftmaxGradColumnsBase(const float* pt, float* dst, int64_t heads, int64_t t, float scale, bool causal,
+                            uint16_t* bf16) {
   for (int64_t h = 0; h < heads; ++h) {
     const float* p = pt + h * t * t;
     float* g = dst + h * t * t;
     for (int64_t i = 0; i < t; ++i) {
+      const int64_t n = causal ? i + 1 : t;
       double dot = 0;
-      for (int64_t j = 0; j < t; ++j) dot += double(g[j * t + i]) * double(p[j * t + i]);
+      for (int64_t j = 0; j < n; ++j) dot += double(g[j * t + i]) * double(p[j * t + i]);
       const float rowdot = static_cast<float>(dot);
       for (int64_t j = 0; j < t; ++j) {
-        const float ds = p[j * t + i] * (g[j * t + i] - rowdot) * scale;
+        const float ds = j < n ? p[j * t + i] * (g[j * t + i] - rowdot) * scale : 0.0f;
         if (bf16) bf16[h * t * t + j * t + i] = ToBf16(ds);
         else g[j * t + i] = ds;
       }
@@ -269,26 +272,38 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
     }
   }
 }
+// A causal block of 16 queries stops at its last query's key, as the forward's (the rest of its column
+// is 0); within that block a lane's masked keys read as 0 (maskz): no dp of a masked score enters.
 template <bool kNe>
-SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
+SS_AVX512 void SoftmaxGradColumns16(const float* pt, float* dst, int64_t heads, int64_t t, float scale, bool causal,
+                                    uint16_t* bf16) {
   const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t h = 0; h < heads; ++h) {
     const float* p = pt + h * t * t;
     float* g = dst + h * t * t;
+    uint16_t* gb = bf16 ? bf16 + h * t * t : nullptr;
     for (int64_t i0 = 0; i0 < t; i0 += 16) {
+      const int64_t keys = causal ? std::min(t, i0 + 16) : t;
+      const __m512i query = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i0)));
       __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-      for (int64_t j = 0; j < t; ++j) {
-        const __m512 a = _mm512_loadu_ps(g + j * t + i0), b = _mm512_loadu_ps(p + j * t + i0);
+      for (int64_t j = 0; j < keys; ++j) {
+        const __m512 a = _mm512_maskz_loadu_ps(Keep(causal, query, j), g + j * t + i0), b = _mm512_loadu_ps(p + j * t + i0);
         lo = _mm512_fmadd_pd(Lo(a), Lo(b), lo);  // the product of two floats is exact in double
         hi = _mm512_fmadd_pd(Hi(a), Hi(b), hi);
       }
       const __m512 rowdot = ToFloats(lo, hi);
-      for (int64_t j = 0; j < t; ++j) {
+      for (int64_t j = 0; j < keys; ++j) {
         float* c = g + j * t + i0;
         const __m512 pv = _mm512_loadu_ps(p + j * t + i0);
-        const __m512 ds = _mm512_mul_ps(_mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(c), rowdot)), vscale);
-        if (bf16) StoreBf16<kNe>(bf16 + h * t * t + j * t + i0, ds);
+        const __m512 ds = _mm512_maskz_mul_ps(Keep(causal, query, j),
+                                              _mm512_mul_ps(pv, _mm512_sub_ps(_mm512_loadu_ps(c), rowdot)), vscale);
+        if (gb) StoreBf16<kNe>(gb + j * t + i0, ds);
         else _mm512_storeu_ps(c, ds);
+      }
+      for (int64_t j = keys; j < t; ++j) {
+        if (gb) _mm256_storeu_si256(reinterpret_cast<__m256i*>(gb + j * t + i0), _mm256_setzero_si256());
+        else _mm512_storeu_ps(g + j * t + i0, _mm512_setzero_ps());
       }
     }
   }
@@ -355,11 +370,12 @@ void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causa
                     : SoftmaxColumns16<false>(st, heads, t, scale, causal, bf16, f32_out || !bf16);
   SoftmaxColumnsBase(st, heads, t, scale, causal, bf16);
 }
-void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale, uint16_t* bf16) {
+void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale, bool causal,
+                        uint16_t* bf16) {
   if (Avx512() && t % 16 == 0)
-    return Bf16Ne() ? SoftmaxGradColumns16<true>(pt, dst, heads, t, scale, bf16)
-                    : SoftmaxGradColumns16<false>(pt, dst, heads, t, scale, bf16);
-  SoftmaxGradColumnsBase(pt, dst, heads, t, scale, bf16);
+    return Bf16Ne() ? SoftmaxGradColumns16<true>(pt, dst, heads, t, scale, causal, bf16)
+                    : SoftmaxGradColumns16<false>(pt, dst, heads, t, scale, causal, bf16);
+  SoftmaxGradColumnsBase(pt, dst, heads, t, scale, causal, bf16);
 }
 void Round(const float* x, int64_t n, uint16_t* y) { Avx512() ? RoundAvx512(x, n, y) : RoundBody(x, n, y); }
 void CopyRows(const void* x, int64_t x_step, void* y, int64_t y_step, int64_t rows, int64_t bytes) {
@@ -594,7 +610,7 @@ void AttentionBackward(const AttentionShape& s, const void* q, const void* k, co
     else StoreStaged(s, false, slot, out + 2 * total, h0, g);
     float* dst = slot.dp.data();
     Run(slot, plan, kScoresT, vg, dg, dst);         // dp^T = v dout^T
-    SoftmaxGradColumns(pt, dst, g, s.t, s.scale, FusedRounding(s, slot.ds));  // ds^T
+    SoftmaxGradColumns(pt, dst, g, s.t, s.scale, s.causal, FusedRounding(s, slot.ds));  // ds^T
     const void* ds = ProductOperand(s, dst, g * tt, slot.ds);
     Run(slot, plan, kTransA, ds, kg, result(0));  // dq = ds k
     if (staged) store(0, slot, h0, blk);

@@ -362,7 +362,7 @@ Tensor Attention(const Instr& in, const Tensor& q_in, const Tensor& k_in, const 
 }
 
 // dP = dout v^T; dv = p^T dout (p rounded when bf16); ds = p (dP - rowsum(dP p)) * scale (rounded when
-// bf16); dq = ds k; dk = ds^T q. Stacked [dq, dk, dv].
+// bf16), 0 where causal masks the score; dq = ds k; dk = ds^T q. Stacked [dq, dk, dv].
 Tensor AttentionGrad(const Instr& in, const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                      const Tensor& dout_in) {
   const AttentionBlock g(in);
@@ -376,14 +376,18 @@ Tensor AttentionGrad(const Instr& in, const Tensor& q_in, const Tensor& k_in, co
     std::vector<float> pr(p), ds(g.t * g.t);
     for (float& x : pr) x = g.Round(x);
     for (Index i = 0; i < g.t; ++i) {
+      // A masked score (causal, key after query) is no function of q or k: its gradient is 0, and it
+      // takes no part in the row's sum (an inf or NaN in dp there stays out, as it stays out of p).
+      const Index last = g.causal ? i : g.t - 1;
       std::vector<float> dp(g.t);
       double dot = 0;
-      for (Index j = 0; j < g.t; ++j) {
+      for (Index j = 0; j <= last; ++j) {
         dp[j] = g.Dot(dout.f32.data() + at + i * g.d, v.f32.data() + at + j * g.d);
         dot += double(dp[j]) * double(p[i * g.t + j]);
       }
       const float rowdot = static_cast<float>(dot);
-      for (Index j = 0; j < g.t; ++j) ds[i * g.t + j] = g.Round(p[i * g.t + j] * (dp[j] - rowdot) * g.scale);
+      for (Index j = 0; j < g.t; ++j)
+        ds[i * g.t + j] = j <= last ? g.Round(p[i * g.t + j] * (dp[j] - rowdot) * g.scale) : 0.0f;
     }
     g.Product(ds.data(), k.f32.data() + at, false, out.f32.data() + at);                // dq
     g.Product(ds.data(), q.f32.data() + at, true, out.f32.data() + total + at);         // dk
