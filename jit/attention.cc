@@ -128,21 +128,35 @@ template <typename = void>
 // With bf16 (non-null) each probability is also stored rounded to bf16 there (the products' operand) in
 // the same pass; the gradient's loop then stores ds^T only rounded (bf16 products read no f32 ds^T).
 
+// Softmax statistics (AttentionStats): with `out`, each query's max and 1 / sum are stored at
+// [h * t + i] of its two arrays; with `in`, read from there instead of computed, the probabilities
+// then made in one pass (the same operations on each element as the three passes: the same bits).
+struct StatsIo {
+  AttentionStats out, in;
+};
+
 // Generic form (any t): the same operations per element, one query at a time.
-void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16) {
+void SoftmaxColumnsBase(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16,
+                        const StatsIo& io) {
   for (int64_t h = 0; h < heads; ++h) {
     float* x = st + h * t * t;
     for (int64_t i = 0; i < t; ++i) {
       const int64_t n = causal ? i + 1 : t;
-      float m = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        float& v = x[j * t + i];
-        v *= scale;
-        m = v > m ? v : m;  // a NaN is skipped: its exp makes the sum, so every p of the query, NaN
+      float m = -INFINITY, r;
+      if (io.in.max) {
+        m = io.in.max[h * t + i], r = io.in.inv_sum[h * t + i];
+        for (int64_t j = 0; j < n; ++j) x[j * t + i] = ExpBody(x[j * t + i] * scale - m);
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          float& v = x[j * t + i];
+          v *= scale;
+          m = v > m ? v : m;  // a NaN is skipped: its exp makes the sum, so every p of the query, NaN
+        }
+        double total = 0;
+        for (int64_t j = 0; j < n; ++j) total += x[j * t + i] = ExpBody(x[j * t + i] - m);
+        r = 1.0f / static_cast<float>(total);
+        if (io.out.max) io.out.max[h * t + i] = m, io.out.inv_sum[h * t + i] = r;
       }
-      double total = 0;
-      for (int64_t j = 0; j < n; ++j) total += x[j * t + i] = ExpBody(x[j * t + i] - m);
-      const float r = 1.0f / static_cast<float>(total);
       for (int64_t j = 0; j < t; ++j) {
         x[j * t + i] = j < n ? x[j * t + i] * r : 0.0f;
         if (bf16) bf16[h * t * t + j * t + i] = ToBf16(x[j * t + i]);
@@ -234,7 +248,7 @@ SS_AVX512 inline __mmask16 Keep(bool causal, __m512i query, int64_t j) {
 
 template <bool kNe>
 SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16,
-                                bool f32_out) {
+                                bool f32_out, const StatsIo& io) {
   const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t h = 0; h < heads; ++h) {
@@ -242,22 +256,35 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
     for (int64_t i0 = 0; i0 < t; i0 += 16) {
       const int64_t keys = causal ? std::min(t, i0 + 16) : t;
       const __m512i query = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i0)));
-      __m512 m = ninf;
-      for (int64_t j = 0; j < keys; ++j) {
-        float* c = x + j * t + i0;
-        const __m512 v = _mm512_mask_mul_ps(ninf, Keep(causal, query, j), _mm512_loadu_ps(c), vscale);
-        _mm512_storeu_ps(c, v);
-        m = _mm512_max_ps(v, m);  // v > m ? v : m (a NaN is skipped, as in the generic form)
+      __m512 m = ninf, r;
+      if (io.in.max) {  // one pass: scale, mask, exp (the three passes' operations on each element)
+        m = _mm512_loadu_ps(io.in.max + h * t + i0), r = _mm512_loadu_ps(io.in.inv_sum + h * t + i0);
+        for (int64_t j = 0; j < keys; ++j) {
+          float* c = x + j * t + i0;
+          const __m512 v = _mm512_mask_mul_ps(ninf, Keep(causal, query, j), _mm512_loadu_ps(c), vscale);
+          _mm512_storeu_ps(c, Exp16(_mm512_sub_ps(v, m)));
+        }
+      } else {
+        for (int64_t j = 0; j < keys; ++j) {
+          float* c = x + j * t + i0;
+          const __m512 v = _mm512_mask_mul_ps(ninf, Keep(causal, query, j), _mm512_loadu_ps(c), vscale);
+          _mm512_storeu_ps(c, v);
+          m = _mm512_max_ps(v, m);  // v > m ? v : m (a NaN is skipped, as in the generic form)
+        }
+        __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+        for (int64_t j = 0; j < keys; ++j) {
+          float* c = x + j * t + i0;
+          const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(c), m));
+          _mm512_storeu_ps(c, e);
+          lo = _mm512_add_pd(lo, Lo(e));
+          hi = _mm512_add_pd(hi, Hi(e));
+        }
+        r = _mm512_div_ps(_mm512_set1_ps(1.0f), ToFloats(lo, hi));
+        if (io.out.max) {
+          _mm512_storeu_ps(io.out.max + h * t + i0, m);
+          _mm512_storeu_ps(io.out.inv_sum + h * t + i0, r);
+        }
       }
-      __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
-      for (int64_t j = 0; j < keys; ++j) {
-        float* c = x + j * t + i0;
-        const __m512 e = Exp16(_mm512_sub_ps(_mm512_loadu_ps(c), m));
-        _mm512_storeu_ps(c, e);
-        lo = _mm512_add_pd(lo, Lo(e));
-        hi = _mm512_add_pd(hi, Hi(e));
-      }
-      const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), ToFloats(lo, hi));
       uint16_t* xb = bf16 ? bf16 + h * t * t : nullptr;
       for (int64_t j = 0; j < keys; ++j) {
         float* c = x + j * t + i0;
@@ -364,11 +391,12 @@ bool Bf16Ne() {
   return on;
 }
 // f32_out false (with bf16 only): p is stored rounded alone (the forward's products read nothing else).
-void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16, bool f32_out) {
+void SoftmaxColumns(float* st, int64_t heads, int64_t t, float scale, bool causal, uint16_t* bf16, bool f32_out,
+                    const StatsIo& io) {
   if (Avx512() && t % 16 == 0)
-    return Bf16Ne() ? SoftmaxColumns16<true>(st, heads, t, scale, causal, bf16, f32_out || !bf16)
-                    : SoftmaxColumns16<false>(st, heads, t, scale, causal, bf16, f32_out || !bf16);
-  SoftmaxColumnsBase(st, heads, t, scale, causal, bf16);
+    return Bf16Ne() ? SoftmaxColumns16<true>(st, heads, t, scale, causal, bf16, f32_out || !bf16, io)
+                    : SoftmaxColumns16<false>(st, heads, t, scale, causal, bf16, f32_out || !bf16, io);
+  SoftmaxColumnsBase(st, heads, t, scale, causal, bf16, io);
 }
 void SoftmaxGradColumns(const float* pt, float* dst, int64_t heads, int64_t t, float scale, bool causal,
                         uint16_t* bf16) {
@@ -531,10 +559,16 @@ uint16_t* FusedRounding(const AttentionShape& s, std::vector<uint16_t>& copy) {
 // slot.p): s^T = k q^T, softmax down the columns.
 // backward: p^T is kept in f32 too (the gradient's loop reads it); the forward's bf16 products need only
 // the rounded copy.
+// `stats` (optional): the forward writes the group's softmax statistics there, the backward reads them.
 const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot, const void* q, const void* k,
-                           bool backward) {
+                           bool backward, int64_t h0, const AttentionStats* stats) {
   Run(slot, plan, kScoresT, k, q, slot.s.data());
-  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal, FusedRounding(s, slot.p), backward);
+  StatsIo io;
+  if (stats && stats->max) {
+    const AttentionStats group{stats->max + h0 * s.t, stats->inv_sum + h0 * s.t};
+    (backward ? io.in : io.out) = group;
+  }
+  SoftmaxColumns(slot.s.data(), plan.g, s.t, s.scale, s.causal, FusedRounding(s, slot.p), backward, io);
   return slot.s.data();
 }
 
@@ -542,7 +576,8 @@ const float* Probabilities(const AttentionShape& s, const Plan& plan, Slot& slot
 
 void SeparateRoundingForTesting(bool on) { g_separate_rounding = on; }
 
-void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out) {
+void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out,
+                      const AttentionStats* stats) {
   if (s.heads == 0 || s.t == 0 || s.d == 0) return;
   Plan& plan = PlanFor(s);
   const int64_t g = plan.g, tt = s.t * s.t;
@@ -552,7 +587,7 @@ void AttentionForward(const AttentionShape& s, const void* q, const void* k, con
     const void* qg = Operand(s, 0, q, h0, g, slot);
     const void* kg = Operand(s, 1, k, h0, g, slot);
     const void* vg = Operand(s, 2, v, h0, g, slot);
-    const void* pt = ProductOperand(s, Probabilities(s, plan, slot, qg, kg, false), g * tt, slot.p);
+    const void* pt = ProductOperand(s, Probabilities(s, plan, slot, qg, kg, false, h0, stats), g * tt, slot.p);
     Run(slot, plan, kTransA, pt, vg, ResultBlock(s, s.bf16_out, out, h0, slot));  // out = p v
     StoreStaged(s, s.bf16_out, slot, out, h0, g);
   });
@@ -565,7 +600,7 @@ bool AttentionGradPartsFit(const AttentionShape& s, int64_t block_rows) {
 }
 
 void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
-                       float* out, const AttentionGradParts* parts) {
+                       float* out, const AttentionGradParts* parts, const AttentionStats* stats) {
   if (s.heads == 0 || s.t == 0 || s.d == 0) return;
   Plan& plan = PlanFor(s);
   const int64_t g = plan.g, tt = s.t * s.t, total = s.heads * s.t * s.d;
@@ -604,7 +639,7 @@ void AttentionBackward(const AttentionShape& s, const void* q, const void* k, co
     const void* dg = Operand(s, 3, dout, h0, g, slot);
     const bool staged = parts != nullptr;  // (ResultBlock stages whenever the layout is heads-inner)
     auto result = [&](int i) { return staged ? slot.staged.data() : ResultBlock(s, false, out + i * total, h0, slot); };
-    const float* pt = Probabilities(s, plan, slot, qg, kg, true);
+    const float* pt = Probabilities(s, plan, slot, qg, kg, true, h0, stats);
     Run(slot, plan, kPlain, ProductOperand(s, pt, g * tt, slot.p), dg, result(2));  // dv = p^T dout
     if (staged) store(2, slot, h0, blk);
     else StoreStaged(s, false, slot, out + 2 * total, h0, g);

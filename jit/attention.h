@@ -28,9 +28,19 @@ struct AttentionShape {
   bool bf16_out = false;  // the forward's output stored rounded to bf16 (uint16_t), as runtime::F32ToBf16
 };
 
+// The softmax statistics of each query, [heads, t] floats each: the max of its scaled scores and the
+// reciprocal of its exp-sum. AttentionForward writes them when given; AttentionBackward, given the
+// forward's (the same q, k and shape), recomputes the probabilities from them in one pass instead of
+// three (the same bits: the same operations on each element, on the same scores).
+struct AttentionStats {
+  float* max = nullptr;
+  float* inv_sum = nullptr;
+};
+
 // out [heads, t, d] = softmax(scale q k^T (causal: -inf above the diagonal)) v, per head (f32, or bf16
-// with bf16_out).
-void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out);
+// with bf16_out); `stats` (optional): written.
+void AttentionForward(const AttentionShape& s, const void* q, const void* k, const void* v, void* out,
+                      const AttentionStats* stats = nullptr);
 
 // What AttentionBackward may write besides (or instead of) its f32 result, per part (dq, dk, dv), while
 // the part's block of a group of heads is still in cache (jit/compiled_step.cc PlanAttentionGradParts):
@@ -49,9 +59,10 @@ struct AttentionGradParts {
 bool AttentionGradPartsFit(const AttentionShape& s, int64_t block_rows);
 
 // out [3, heads, t, d] = dq, dk, dv of AttentionForward's output for its gradient dout (the
-// probabilities recomputed from q and k); `parts` (optional): see AttentionGradParts.
+// probabilities recomputed from q and k, with the forward's `stats` when given); `parts` (optional):
+// see AttentionGradParts.
 void AttentionBackward(const AttentionShape& s, const void* q, const void* k, const void* v, const void* dout,
-                       float* out, const AttentionGradParts* parts = nullptr);
+                       float* out, const AttentionGradParts* parts = nullptr, const AttentionStats* stats = nullptr);
 
 // With bf16, p^T and ds^T are rounded to bf16 as the softmax loops write them; on (tests only), by a
 // separate pass over each instead, the form before: both must give the same bits.

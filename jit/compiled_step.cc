@@ -437,6 +437,7 @@ void CompiledStep::Plan(bool fuse_reductions) {
   PlanPackedCollectives();
   PlanRowBlocks();
   PlanAttentionGradParts(fuse_reductions);
+  PlanAttentionStats();
   for (const Step& s : schedule_) {
     DriverStep d;
     if (s.kernel >= 0 && absorbed_[s.kernel]) continue;  // written by an attention_grad
@@ -1061,6 +1062,42 @@ void CompiledStep::PlanAttentionGradParts(bool on) {
   }
 }
 
+// An attention_grad whose probabilities its forward computed: the attention op on the same q, k and v
+// with the same attributes (so the same shape, layout and rounding: the same scores), run earlier in
+// the step. The forward keeps each query's softmax max and reciprocal sum (2 floats a query), and the
+// backward makes the probabilities from them in one pass instead of three (jit/attention.h
+// AttentionStats: the same bits). transformer_lm: 128 x 128 queries a layer, 128 KB.
+void CompiledStep::PlanAttentionStats() {
+  const int n = m_.size();
+  attention_stats_at_.assign(n, -1);
+  attention_stats_floats_ = 0;
+  info_.attention_stats = 0;
+  std::vector<int> at(n, -1);  // schedule position of each instruction run on its own
+  for (int p = 0; p < static_cast<int>(schedule_.size()); ++p)
+    if (schedule_[p].kernel < 0) at[schedule_[p].value] = p;
+  auto same_attrs = [&](const ir::Instr& a, const ir::Instr& b) {
+    for (const char* name : {"causal", "bf16", kHeadsInAttr})
+      if (a.GetInt(name, 0) != b.GetInt(name, 0)) return false;
+    return a.GetFloat("scale") == b.GetFloat("scale");
+  };
+  for (ValueId g = 0; g < n; ++g) {
+    const ir::Instr& grad = m_.at(g);
+    if (grad.op != OpCode::kAttentionGrad || LoweringOf(m_, g) != Lowering::kNative || at[g] < 0) continue;
+    for (ValueId f = 0; f < n; ++f) {
+      const ir::Instr& fwd = m_.at(f);
+      if (fwd.op != OpCode::kAttention || LoweringOf(m_, f) != Lowering::kNative || at[f] < 0 || at[f] > at[g] ||
+          attention_stats_at_[f] >= 0 || !same_attrs(fwd, grad) ||
+          !std::equal(fwd.operands.begin(), fwd.operands.end(), grad.operands.begin()))
+        continue;
+      const int64_t queries = m_.type(fwd.operands[0]).elements() / std::max<int64_t>(1, m_.type(fwd.operands[0]).shape.back());
+      attention_stats_at_[f] = attention_stats_at_[g] = attention_stats_floats_;
+      attention_stats_floats_ += 2 * queries;
+      ++info_.attention_stats;
+      break;
+    }
+  }
+}
+
 // The first kernel that reads `a` (f32), or a reshape of the same storage (RoundBeforeReshapes moves a
 // rounding above the reshapes), as an input of the kernel's shape at each element's own index (through
 // elementwise members only, not a broadcast's index map), and whose place in the schedule does not
@@ -1627,6 +1664,7 @@ void CompiledStep::Allocate(Workspace* ws) const {
   ws->fused_bufs.assign(ws->thread_slots * bufs, nullptr);
   ws->fused_operands.assign(ws->thread_slots * kMaxFusedReductions, nullptr);
   ws->fused_windows.assign(ws->thread_slots * windows, 0.0f);
+  ws->attention_stats.assign(attention_stats_floats_, 0.0f);
   char* base = ArenaBase(ws);
   for (ValueId v = 0; v < n; ++v) {
     const ir::Instr& in = m_.at(v);
@@ -1948,8 +1986,14 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       for (size_t i = 0; i < in.operands.size() && i < a.stored_bf16.size(); ++i)  // ReadBf16OperandsInPlace
         a.stored_bf16[i] = m_.type(in.operands[i]).dtype == DType::kBF16;
       a.bf16_out = in.type.dtype == DType::kBF16;  // AttentionHeadsInPlace took a rounding transpose
-      if (in.op == OpCode::kAttention) return AttentionForward(a, P(0), P(1), P(2), out);
-      if (grad_parts_of_[v] < 0) return AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out));
+      AttentionStats stats;  // PlanAttentionStats
+      if (attention_stats_at_[v] >= 0) {
+        stats.max = ws->attention_stats.data() + attention_stats_at_[v];
+        stats.inv_sum = stats.max + a.heads * a.t;
+      }
+      if (in.op == OpCode::kAttention) return AttentionForward(a, P(0), P(1), P(2), out, &stats);
+      if (grad_parts_of_[v] < 0)
+        return AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out), nullptr, &stats);
       const GradParts& gp = grad_parts_[grad_parts_of_[v]];  // PlanAttentionGradParts
       AttentionGradParts parts;
       for (int i = 0; i < 3; ++i) {
@@ -1958,7 +2002,7 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       }
       parts.f32 = gp.f32;
       parts.block_rows = gp.block_rows;
-      AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out), &parts);
+      AttentionBackward(a, P(0), P(1), P(2), P(3), static_cast<float*>(out), &parts, &stats);
       return;
     }
     case OpCode::kDiv:  // s32 (f32 division is fused)

@@ -41,6 +41,7 @@ struct CompileInfo {
   int gathered_updates = 0;    // variables' new values written into them by a packed all-gather (the same)
   int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
   int attention_parts = 0;     // bf16 roundings and bias sums attention_grad writes itself (PlanAttentionGradParts)
+  int attention_stats = 0;     // attention_grads reusing their forward's softmax statistics (PlanAttentionStats)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -99,6 +100,7 @@ struct Workspace {
   std::vector<runtime::PartProducer> part_producers;  // and the products it folds (PlanProductParts)
   std::vector<ProductOperands> product_operands;
   std::vector<float*> part_outs;
+  std::vector<float> attention_stats;   // the forwards' softmax statistics (CompiledStep::PlanAttentionStats)
 };
 
 class CompiledStep {
@@ -171,6 +173,7 @@ class CompiledStep {
                            runtime::Collectives* c, Workspace* ws) const;
   void PlanInPlaceUpdates();
   void PlanAttentionGradParts(bool on);
+  void PlanAttentionStats();
   // The storage of variable gather_slot_[v] in `b`, which all-gather result v is written into.
   void* GatheredInto(ir::ValueId v, const StepBinding& b) const;
   std::vector<ir::ValueId> PlanReusedInputs(const std::vector<ir::ValueId>& root, std::vector<int>& last);
@@ -223,6 +226,10 @@ class CompiledStep {
   std::vector<int> grad_parts_of_;             // per value: its index in grad_parts_, or -1
   std::vector<ir::ValueId> written_by_;        // per value: the attention_grad that writes it, or -1
   std::vector<char> absorbed_;                 // per kernel: its work is done by an attention_grad
+  // Per attention and attention_grad of a pair (PlanAttentionStats): where its softmax statistics are in
+  // Workspace::attention_stats (2 x heads x t floats: the maxima, then the reciprocal sums), or -1.
+  std::vector<int64_t> attention_stats_at_;
+  int64_t attention_stats_floats_ = 0;
   std::vector<int64_t> offset_;                // per value: offset in the arena, or -1
   // The assignments, in the order that lets each see the values from before the step, and per
   // assignment its offset in the workspace's staging buffer when it is copied through it (else -1).
