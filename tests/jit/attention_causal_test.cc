@@ -17,18 +17,13 @@
 #include "jit/attention.h"
 #include "runtime/interpreter.h"
 #include "runtime/tensor.h"
+#include "tests/jit/attention_test_util.h"
 
 using namespace shardstep;
+using attention_test::Random;
 
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
-  std::vector<float> x(n);
-  for (float& v : x) v = u(rng);
-  return x;
-}
 
 // The interpreter's attention_grad of one head ([1, t, d] operands), [3, 1, t, d].
 std::vector<float> Reference(int64_t t, int64_t d, float scale, bool bf16, const std::vector<float>& q,

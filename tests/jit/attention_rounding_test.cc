@@ -16,18 +16,13 @@
 
 #include "jit/attention.h"
 #include "runtime/tensor.h"
+#include "tests/jit/attention_test_util.h"
 
 using namespace shardstep;
+using attention_test::Random;
 
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed, float range = 2) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-range, range);
-  std::vector<float> x(n);
-  for (float& v : x) v = u(rng);
-  return x;
-}
 
 struct Outputs {
   std::vector<float> forward, backward;

@@ -18,18 +18,13 @@
 #include "jit/compiled_step.h"
 #include "runtime/interpreter.h"
 #include "runtime/tensor.h"
+#include "tests/jit/attention_test_util.h"
 
 using namespace shardstep;
+using attention_test::Random;
 
 namespace {
 
-std::vector<float> Random(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> u(-3.0f, 3.0f);
-  std::vector<float> x(n);
-  for (float& v : x) v = u(rng);
-  return x;
-}
 
 // The forward (writing statistics when `stats`) and the backward (reading them), on operands in f32 or
 // stored as bf16.
@@ -71,7 +66,7 @@ TEST_CASE("attention_grad from the forward's softmax statistics: the bits of the
           s.heads = 8, s.t = t, s.d = 16, s.scale = 0.25f, s.causal = causal, s.bf16 = precision > 0;
           s.stored_bf16.fill(precision == 2);
           const int64_t n = s.heads * s.t * s.d;
-          std::vector<std::vector<float>> x = {Random(n, 1), Random(n, 2), Random(n, 3), Random(n, 4)};
+          std::vector<std::vector<float>> x = {Random(n, 1, 3), Random(n, 2, 3), Random(n, 3, 3), Random(n, 4, 3)};
           if (nan) x[0][3 * s.t * s.d + 5 * s.d + 2] = std::numeric_limits<float>::quiet_NaN();  // head 3, query 5
           INFO("t " << t << (causal ? " causal" : "") << " precision " << precision << (nan ? " NaN in q" : ""));
           const std::vector<float> with = Backward(s, x, true), without = Backward(s, x, false);
@@ -100,7 +95,7 @@ TEST_CASE("CompiledStep pairs an attention_grad with its forward only on the sam
     m.outputs.push_back({"grad", b.Emit(ir::OpCode::kAttentionGrad, x, grad_attrs)});
     runtime::TensorMap inputs;
     uint32_t seed = 1;
-    for (const char* name : {"q", "k", "v", "dout"}) inputs[name] = runtime::Tensor::F32(type.shape, Random(type.elements(), seed++));
+    for (const char* name : {"q", "k", "v", "dout"}) inputs[name] = runtime::Tensor::F32(type.shape, Random(type.elements(), seed++, 3));
     auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
     INFO((other_scale ? "another scale" : "the same attributes"));
     CHECK(step->info().attention_stats == (other_scale ? 0 : 1));
