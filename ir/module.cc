@@ -159,8 +159,10 @@ std::vector<char> Module::PerReplicaValues() const {
   return per;
 }
 
-void Module::Canonicalize() {
+void Module::Canonicalize(const std::vector<ValueId>& place) {
   const int n = size();
+  SS_CHECK(place.empty() || place.size() == static_cast<size_t>(n), "Canonicalize: ", place.size(),
+           " places for ", n, " instructions");
   // 1. Liveness: roots are variables, inputs, and everything assigned, output or recorded as gradient.
   std::vector<char> live(n, 0);
   std::vector<ValueId> work;
@@ -177,7 +179,8 @@ void Module::Canonicalize() {
     work.pop_back();
     for (ValueId o : instrs[v].operands) mark(o);
   }
-  // 2. Stable topological order (Kahn's algorithm, always taking the smallest ready id).
+  // 2. Stable topological order (Kahn's algorithm, always taking the ready value of the smallest place,
+  // then id).
   std::vector<int> pending(n, 0);
   std::vector<std::vector<ValueId>> users(n);
   for (ValueId i = 0; i < n; ++i) {
@@ -187,16 +190,18 @@ void Module::Canonicalize() {
       users[o].push_back(i);
     }
   }
-  std::priority_queue<ValueId, std::vector<ValueId>, std::greater<>> ready;
+  using Key = std::pair<ValueId, ValueId>;  // (place, id)
+  auto key = [&](ValueId v) { return Key{place.empty() ? v : place[v], v}; };
+  std::priority_queue<Key, std::vector<Key>, std::greater<>> ready;
   for (ValueId i = 0; i < n; ++i)
-    if (live[i] && pending[i] == 0) ready.push(i);
+    if (live[i] && pending[i] == 0) ready.push(key(i));
   std::vector<ValueId> order;
   while (!ready.empty()) {
-    ValueId v = ready.top();
+    const ValueId v = ready.top().second;
     ready.pop();
     order.push_back(v);
     for (ValueId u : users[v])
-      if (--pending[u] == 0) ready.push(u);
+      if (--pending[u] == 0) ready.push(key(u));
   }
   SS_CHECK(order.size() == static_cast<size_t>(std::count(live.begin(), live.end(), 1)), "cycle in module ", name);
   // 3. Renumber.

@@ -83,7 +83,10 @@ struct Module {
   void ReplaceAllUses(ValueId from, ValueId to, ValueId except = kNoValue);
   // Topologically sorts (stable: keeps the existing order where it can), drops dead non-leaf
   // instructions, keeps every variable and input, and renumbers. Passes append freely, then call this.
-  void Canonicalize();
+  // With `place` (one entry per instruction), an instruction is ordered as if it stood at position
+  // place[v] (ties by id): a pass that appends the replacement of an earlier op keeps it where that op
+  // ran, before the values computed after it.
+  void Canonicalize(const std::vector<ValueId>& place = {});
   // Users of each value.
   std::vector<std::vector<ValueId>> Users() const;
   // 1 for values that differ between replicas: inputs, the replica id and what depends on them. An

@@ -8,13 +8,15 @@
 //  - an elementwise op of a 4-d shape: its other operands become NHWC too (a broadcast of a smaller
 //    value is re-made with its dims remapped, a splat constant re-made in the new shape, anything else
 //    transposed);
-//  - a reduction whose kept dimensions keep their order, over the remapped axes.
+//  - a reduction whose kept dimensions keep their order, over the remapped axes;
+//  - 2x2 stride-2 max pooling and its gradient (the CNN's), by the NHWC loops of jit/max_pool_2x2.h.
 #include "jit/channels_last.h"
 
 #include <algorithm>
 #include <unordered_map>
 
 #include "jit/dnnl_conv.h"
+#include "jit/max_pool_2x2.h"
 #include "jit/stem_conv.h"
 
 namespace shardstep::jit {
@@ -37,25 +39,41 @@ class Rewrite {
 
   int Run() {
     const int n = m_.size();
-    // A lone convolution (the CNN's second, between two max poolings) pays in transposes at its
-    // edges what it saves in oneDNN's reorders (its step was 2-4% slower NHWC): the rewrite needs
-    // a stack of at least two forward convolutions it can take.
-    int forward = 0;
-    for (ValueId u = 0; u < n; ++u) forward += m_.at(u).op == OpCode::kConv2d && Takes(u) && !Stem(u);
-    if (forward < 2) return 0;
+    // A lone convolution pays in transposes at its edges what it saves in oneDNN's reorders (the CNN's
+    // second, between two max poolings, made its step 2-4% slower NHWC while the poolings ran NCHW):
+    // the rewrite needs a stack of at least two forward convolutions it can take, or one after a stem
+    // when every max pooling runs NHWC too (then only the flattened features cross back, 1/4 of the
+    // last convolution's output).
+    int forward = 0, stems = 0;
+    for (ValueId u = 0; u < n; ++u)
+      if (m_.at(u).op == OpCode::kConv2d && Takes(u)) ++(Stem(u) ? stems : forward);
+    bool pools = true;
+    for (ValueId u = 0; u < n; ++u)
+      if (m_.at(u).op == OpCode::kMaxPool || m_.at(u).op == OpCode::kMaxPoolGrad) pools &= PoolTakes(u);
+    if (forward < 2 && !(forward == 1 && stems > 0 && pools)) return 0;
     int convs = 0;
+    for (ValueId u = 0; u < n; ++u) place_.push_back(u);
     for (ValueId u = 0; u < n; ++u) {
+      at_ = u;
       const ir::Instr& in = m_.at(u);
       if (IsConv(in.op)) convs += Conv(u);
+      else if (in.op == OpCode::kMaxPool || in.op == OpCode::kMaxPoolGrad) Pool(u);
       else if (in.type.rank() == 4 && ir::HasProperty(in.op, ir::kElementwise)) Elementwise(u);
       else if (in.op == OpCode::kReduceSum || in.op == OpCode::kReduceMean || in.op == OpCode::kReduceMax) Reduction(u);
     }
-    if (convs > 0) m_.Canonicalize();
+    if (convs > 0) m_.Canonicalize(place_);
     return convs;
   }
 
  private:
   bool Has(ValueId v) const { return nhwc_.count(v) != 0; }
+
+  // Appends an instruction made while rewriting op at_, to run where at_ ran: before the ops after it
+  // (the optimizer's loops, which then still update the weights in place, PlanInPlaceUpdates).
+  ValueId Add(ir::Instr in) {
+    place_.push_back(at_);
+    return m_.Append(std::move(in));
+  }
 
   // Whether v's NHWC twin can be made without a transpose: it has one, or it is a splat, a broadcast of
   // a per-channel (or per-image) value, or an elementwise op of such values (batch norm's backward
@@ -103,7 +121,7 @@ class Rewrite {
     }
     t.attrs.erase("fusion");
     t.type.shape = Nhwc(in.type.shape);
-    const ValueId w = m_.Append(std::move(t));
+    const ValueId w = Add(std::move(t));
     nhwc_[v] = w;
     return w;
   }
@@ -123,7 +141,7 @@ class Rewrite {
     back.operands = {w};
     back.attrs["perm"] = ir::IntList{0, 3, 1, 2};
     back.type = m_.at(u).type;
-    const ValueId b = m_.Append(std::move(back));
+    const ValueId b = Add(std::move(back));
     m_.ReplaceAllUses(u, b);
     nhwc_[u] = w;
     nhwc_[b] = w;
@@ -159,12 +177,38 @@ class Rewrite {
     c.operands[0] = ToNhwc(in.operands[0]);
     if (in.op == OpCode::kConv2dFilterGrad) c.operands[1] = ToNhwc(in.operands[1]);
     if (in.op == OpCode::kConv2dFilterGrad) {
-      m_.ReplaceAllUses(u, m_.Append(std::move(c)));
+      m_.ReplaceAllUses(u, Add(std::move(c)));
     } else {
       c.type.shape = Nhwc(in.type.shape);
-      Adopt(u, m_.Append(std::move(c)));
+      Adopt(u, Add(std::move(c)));
     }
     return 1;
+  }
+
+  // Whether max pooling (or its gradient) u has an NHWC loop here: f32, 2x2 windows with stride 2 and no
+  // padding over even heights and widths (jit/max_pool_2x2.h), on AVX-512.
+  bool PoolTakes(ValueId u) const {
+    const ir::Instr& in = m_.at(u);
+    const ir::Shape& x = m_.type(in.operands[0]).shape;
+    if (in.type.dtype != ir::DType::kF32 || x.size() != 4 || !MaxPool2x2Vectorised()) return false;
+    for (ValueId o : in.operands)
+      if (m_.type(o).dtype != ir::DType::kF32) return false;
+    const ir::IntList& k = in.GetInts("window");
+    const ir::IntList& s = in.Has("stride") ? in.GetInts("stride") : k;
+    return k == ir::IntList{2, 2} && s == ir::IntList{2, 2} && in.GetInt("padding", 0) == 0 && x[2] % 2 == 0 &&
+           x[3] % 2 == 0;
+  }
+
+  // Max pooling (x) or its gradient (x, dy) of an NHWC x runs NHWC; dy is transposed in if it comes NCHW.
+  void Pool(ValueId u) {
+    const ir::Instr in = m_.at(u);
+    if (!Has(in.operands[0]) || !PoolTakes(u)) return;
+    ir::Instr p = in;
+    p.attrs.erase("fusion");
+    p.attrs[kNhwcAttr] = int64_t{1};
+    for (ValueId& o : p.operands) o = ToNhwc(o);
+    p.type.shape = Nhwc(in.type.shape);
+    Adopt(u, Add(std::move(p)));
   }
 
   void Elementwise(ValueId u) {
@@ -176,7 +220,7 @@ class Rewrite {
     e.attrs.erase("fusion");
     for (ValueId& o : e.operands) o = ToNhwc(o);
     e.type.shape = Nhwc(in.type.shape);
-    Adopt(u, m_.Append(std::move(e)));
+    Adopt(u, Add(std::move(e)));
   }
 
   void Reduction(ValueId u) {
@@ -197,11 +241,13 @@ class Rewrite {
     std::sort(mapped.begin(), mapped.end());
     r.attrs["axes"] = mapped;
     r.operands[0] = nhwc_.at(x);
-    m_.ReplaceAllUses(u, m_.Append(std::move(r)));
+    m_.ReplaceAllUses(u, Add(std::move(r)));
   }
 
   ir::Module& m_;
   std::unordered_map<ValueId, ValueId> nhwc_;
+  std::vector<ValueId> place_;  // per instruction: where it runs (Canonicalize)
+  ValueId at_ = 0;              // the op being rewritten
 };
 
 }  // namespace

@@ -85,6 +85,7 @@
 #include "jit/data_movement.h"
 #include "jit/dnnl_conv.h"
 #include "jit/dnnl_kernels.h"
+#include "jit/max_pool_2x2.h"
 #include "jit/native_ops.h"
 #include "jit/random_lowering.h"
 #include "jit/step_rewrites.h"
@@ -1916,6 +1917,14 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
         if (m_.type(o).dtype != DType::kF32) throw Error(Str("operands must be f32, got ", m_.type(o).ToString()));
       const float* x = static_cast<const float*>(P(0));
       float* y = static_cast<float*>(out);
+      if (in.GetInt(kNhwcAttr, 0) != 0) {  // channels-last (jit/channels_last.h): 2x2 windows, stride 2
+        const Shape& s = shape(0);
+        SS_CHECK(MaxPool2x2Vectorised(), "channels-last pooling %", v, " without its AVX-512 loops");
+        const NhwcPool g{s[0], s[1], s[2], s[3]};
+        if (in.op == OpCode::kMaxPool) MaxPool2x2Nhwc(g, x, y);
+        else MaxPool2x2GradNhwc(g, x, static_cast<const float*>(P(1)), y, in.GetInt(kReluMaskAttr, 0) != 0);
+        return;
+      }
       if (in.op == OpCode::kMaxPool) MaxPool(PoolShapeOf(shape(0), in), x, y);
       else if (in.op == OpCode::kMaxPoolGrad)
         MaxPoolGrad(PoolShapeOf(shape(0), in), x, static_cast<const float*>(P(1)), y, in.GetInt(kReluMaskAttr, 0) != 0);

@@ -120,6 +120,78 @@ SS_AVX512 void GradRows(const Rows g, const float* __restrict x, const float* __
   }
 }
 
+// Channels-last: output pixels [begin, end) (image, row, column in row-major order), each window's four
+// candidates c channels apart in a row and w * c apart between its rows, 16 channels at a time.
+struct Pixels {
+  int64_t oh, ow, w, c;
+  explicit Pixels(const NhwcPool& g) : oh(g.h / 2), ow(g.w / 2), w(g.w), c(g.c) {}
+  int64_t Window(int64_t q) const {  // offset of pixel q's window's top-left candidate
+    const int64_t img = q / (oh * ow), r = q % (oh * ow), oy = r / ow, ox = r % ow;
+    return ((img * 2 * oh + 2 * oy) * w + 2 * ox) * c;
+  }
+};
+
+SS_AVX512 void ForwardPixelsNhwc(const Pixels g, const float* __restrict x, float* __restrict y, int64_t begin,
+                                 int64_t end) {
+  const int64_t right = g.c, down = g.w * g.c;
+  for (int64_t q = begin; q < end; ++q) {
+    const float* top = x + g.Window(q);
+    float* out = y + q * g.c;
+    for (int64_t c0 = 0; c0 < g.c; c0 += kLanes) {
+      const __mmask16 lanes = FirstLanes(g.c - c0);
+      const float* at = top + c0;
+      __m512 b = _mm512_maskz_loadu_ps(lanes, at);
+      const float* later[3] = {at + right, at + down, at + down + right};
+      for (int i = 0; i < 3; ++i) {
+        const __m512 c = _mm512_maskz_loadu_ps(lanes, later[i]);
+        b = _mm512_mask_blend_ps(Takes(c, b), b, c);
+      }
+      _mm512_mask_storeu_ps(out + c0, lanes, b);
+    }
+  }
+}
+
+template <bool kReluMask>
+SS_AVX512 void GradPixelsNhwc(const Pixels g, const float* __restrict x, const float* __restrict dy,
+                              float* __restrict dx, int64_t begin, int64_t end) {
+  const int64_t right = g.c, down = g.w * g.c;
+  const int64_t offsets[4] = {0, right, down, down + right};
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t q = begin; q < end; ++q) {
+    const int64_t top = g.Window(q);
+    for (int64_t c0 = 0; c0 < g.c; c0 += kLanes) {
+      const __mmask16 lanes = FirstLanes(g.c - c0);
+      __m512 c[4];
+      for (int i = 0; i < 4; ++i) c[i] = _mm512_maskz_loadu_ps(lanes, x + top + offsets[i] + c0);
+      // take[i]: candidate i is the first maximum so far; a later one clears the earlier ones.
+      __m512 b = c[0];
+      __mmask16 take[4] = {0, 0, 0, 0};
+      for (int i = 1; i < 4; ++i) {
+        take[i] = Takes(c[i], b);
+        b = _mm512_mask_blend_ps(take[i], b, c[i]);
+      }
+      __mmask16 wins[4];
+      wins[3] = take[3];
+      wins[2] = take[2] & ~take[3];
+      wins[1] = take[1] & ~take[2] & ~take[3];
+      wins[0] = ~(take[1] | take[2] | take[3]);
+      if (kReluMask)  // x > 0 is false for a NaN, as the IR's comparison
+        for (int i = 0; i < 4; ++i) wins[i] &= _mm512_cmp_ps_mask(c[i], zero, _CMP_GT_OQ);
+      // 0 + dy, as the interpreter accumulates; +0 where a candidate does not win.
+      const __m512 d = _mm512_add_ps(zero, _mm512_maskz_loadu_ps(lanes, dy + q * g.c + c0));
+      for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(dx + top + offsets[i] + c0, lanes, _mm512_maskz_mov_ps(wins[i], d));
+    }
+  }
+}
+
+// Output pixels in blocks of about 4096 channel values as TBB tasks (a lambda would not inherit the target).
+template <typename Body>
+void InPixelBlocks(const NhwcPool& g, Body body) {
+  const int64_t pixels = g.n * (g.h / 2) * (g.w / 2), grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, g.c));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, pixels, grain),
+                    [&](const tbb::blocked_range<int64_t>& r) { body(r.begin(), r.end()); });
+}
+
 #undef SS_AVX512
 
 }  // namespace
@@ -139,6 +211,19 @@ void MaxPool2x2Grad(const PoolShape& g, const float* x, const float* dy, float* 
   InRowBlocks(g, [&](int64_t begin, int64_t end) {
     if (relu_mask) GradRows<true>(rows, x, dy, dx, begin, end);
     else GradRows<false>(rows, x, dy, dx, begin, end);
+  });
+}
+
+void MaxPool2x2Nhwc(const NhwcPool& g, const float* x, float* y) {
+  const Pixels pixels(g);
+  InPixelBlocks(g, [&](int64_t begin, int64_t end) { ForwardPixelsNhwc(pixels, x, y, begin, end); });
+}
+
+void MaxPool2x2GradNhwc(const NhwcPool& g, const float* x, const float* dy, float* dx, bool relu_mask) {
+  const Pixels pixels(g);
+  InPixelBlocks(g, [&](int64_t begin, int64_t end) {
+    if (relu_mask) GradPixelsNhwc<true>(pixels, x, dy, dx, begin, end);
+    else GradPixelsNhwc<false>(pixels, x, dy, dx, begin, end);
   });
 }
 

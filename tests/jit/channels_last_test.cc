@@ -4,6 +4,7 @@
 // convolution gradients and a global average pool: which ops were rewritten, the interpreter's values
 // (within the sums' rounding), the same bits twice and on one thread, and an inf weight meeting padding
 // giving the interpreter's NaNs through the NHWC kernels.
+// Also 2x2 max pooling NHWC (its loops against the NCHW ones, and a CNN-shaped step).
 #include <catch2/catch.hpp>
 #include <tbb/global_control.h>
 
@@ -16,6 +17,7 @@
 #include "jit/channels_last.h"
 #include "jit/compiled_step.h"
 #include "jit/data_movement.h"
+#include "jit/max_pool_2x2.h"
 #include "runtime/interpreter.h"
 #include "tests/jit/conv_test_util.h"
 
@@ -309,4 +311,149 @@ TEST_CASE("channels-last sums over rows keep Reduce's order for every channel co
     }
     REQUIRE(want_rev != got);  // the order shows in these sums
   }
+}
+
+// The NHWC max pooling loops give the NCHW loops' bits, element for element after the transpose: values
+// from a small set (ties everywhere, zeros that relu's mask drops, NaNs that win), channel counts with
+// and without a 16-lane tail, the gradient with and without the mask.
+TEST_CASE("channels-last 2x2 max pooling and its gradient are the NCHW loops' bits", "[jit]") {
+  if (!jit::MaxPool2x2Vectorised()) {
+    WARN("no AVX-512: no pooling loops here");
+    return;
+  }
+  for (int64_t c : {16, 20, 32, 64}) {
+    constexpr int64_t n = 3, h = 6, w = 10;
+    const float kValues[] = {-1.0f, 0.0f, -0.0f, 1.0f, 2.0f, NAN};
+    std::mt19937 rng(static_cast<uint32_t>(c));
+    std::vector<float> x(n * c * h * w), dy(n * c * (h / 2) * (w / 2));
+    for (float& v : x) v = kValues[rng() % 6];
+    for (float& v : dy) v = rng() % 5 == 0 ? -0.0f : static_cast<float>(rng() % 1000) / 7.0f;
+    // NCHW index of NHWC element (i, y, x, k), and the same for the pooled shape.
+    auto at = [c](int64_t hh, int64_t ww) {
+      return [c, hh, ww](int64_t i, int64_t yy, int64_t xx, int64_t k) { return ((i * c + k) * hh + yy) * ww + xx; };
+    };
+    auto to_nhwc = [&](const std::vector<float>& a, int64_t hh, int64_t ww) {
+      std::vector<float> b(a.size());
+      const auto nchw = at(hh, ww);
+      for (int64_t i = 0, o = 0; i < n; ++i)
+        for (int64_t yy = 0; yy < hh; ++yy)
+          for (int64_t xx = 0; xx < ww; ++xx)
+            for (int64_t k = 0; k < c; ++k) b[o++] = a[nchw(i, yy, xx, k)];
+      return b;
+    };
+    const jit::PoolShape g{n * c, h, w, 2, 2, 2, 2, h / 2, w / 2, 0};
+    const jit::NhwcPool gn{n, h, w, c};
+    std::vector<float> y(dy.size()), yn(dy.size());
+    jit::MaxPool2x2(g, x.data(), y.data());
+    jit::MaxPool2x2Nhwc(gn, to_nhwc(x, h, w).data(), yn.data());
+    INFO(c << " channels");
+    const std::vector<float> y_as_nhwc = to_nhwc(y, h / 2, w / 2);
+    REQUIRE(std::memcmp(yn.data(), y_as_nhwc.data(), 4 * y.size()) == 0);
+    for (bool relu_mask : {false, true}) {
+      INFO("relu mask " << relu_mask);
+      std::vector<float> dx(x.size()), dxn(x.size(), 7.0f);  // every element written
+      jit::MaxPool2x2Grad(g, x.data(), dy.data(), dx.data(), relu_mask);
+      jit::MaxPool2x2GradNhwc(gn, to_nhwc(x, h, w).data(), to_nhwc(dy, h / 2, w / 2).data(), dxn.data(), relu_mask);
+      const std::vector<float> dx_as_nhwc = to_nhwc(dx, h, w);
+      REQUIRE(std::memcmp(dxn.data(), dx_as_nhwc.data(), 4 * dx.size()) == 0);
+    }
+  }
+}
+
+// Fashion-MNIST's CNN in small: image -> stem conv (16) + bias -> relu -> 2x2 max pool -> conv (32) + bias ->
+// relu -> 2x2 max pool -> flattened features; their gradient (an input) back through both poolings
+// (relu-masked), the bias sums and the convolutions' gradients. With the poolings NHWC the one
+// convolution after the stem runs NHWC too, and only the features and their gradient are transposed.
+TEST_CASE("channels-last: a stem, a convolution and max pooling run NHWC, transposed only at the features",
+          "[jit][conv]") {
+  if (!jit::MaxPool2x2Vectorised()) {
+    WARN("no AVX-512: no stem or pooling loops here");
+    return;
+  }
+  constexpr int64_t n = 3, c1 = 16, c2 = 32, hw = 8, feats = c2 * (hw / 4) * (hw / 4);
+  ir::Module m;
+  ir::Builder b(&m);
+  const auto image = b.Input("image", {DType::kF32, {n, 1, hw, hw}});
+  const auto dfeat = b.Input("dfeat", {DType::kF32, {n, feats}});
+  const auto w1 = b.Variable("w1", {DType::kF32, {c1, 1, 3, 3}}, ir::kRoleWeight);
+  const auto b1 = b.Variable("b1", {DType::kF32, {c1}}, ir::kRoleWeight);
+  const auto w2 = b.Variable("w2", {DType::kF32, {c2, c1, 3, 3}}, ir::kRoleWeight);
+  const auto b2 = b.Variable("b2", {DType::kF32, {c2}}, ir::kRoleWeight);
+  const ir::Attrs same{{"stride", IntList{1, 1}}, {"padding", IntList{1, 1}}};
+  const ir::Attrs pool{{"window", IntList{2, 2}}, {"stride", IntList{2, 2}}};
+  auto block = [&](ValueId x, ValueId w, ValueId bias, const ir::Shape& s) {
+    return b.Unary(OpCode::kRelu, b.Add(b.Emit(OpCode::kConv2d, {x, w}, same), b.Broadcast(bias, s, {1})));
+  };
+  const ir::Shape s1{n, c1, hw, hw}, s2{n, c2, hw / 2, hw / 2};
+  const auto r1 = block(image, w1, b1, s1);
+  const auto p1 = b.Emit(OpCode::kMaxPool, {r1}, pool);
+  const auto r2 = block(p1, w2, b2, s2);
+  const auto p2 = b.Emit(OpCode::kMaxPool, {r2}, pool);
+  m.outputs.push_back({"feat", b.Reshape(p2, {n, feats})});
+  auto masked_pool_grad = [&](ValueId r, ValueId d) {
+    return b.Emit(OpCode::kSelect, {b.Emit(OpCode::kGt, {r, b.ScalarLike(0.0, r)}),
+                                    b.Emit(OpCode::kMaxPoolGrad, {r, d}, pool), b.ScalarLike(0.0, r)});
+  };
+  const auto g2 = masked_pool_grad(r2, b.Reshape(dfeat, {n, c2, hw / 4, hw / 4}));
+  ir::Attrs ig = same, fg2 = same, fg1 = same;
+  ig["input_shape"] = IntList{n, c1, hw / 2, hw / 2};
+  fg2["filter_shape"] = IntList{c2, c1, 3, 3};
+  fg1["filter_shape"] = IntList{c1, 1, 3, 3};
+  m.outputs.push_back({"db2", b.ReduceSum(g2, {0, 2, 3})});
+  m.outputs.push_back({"dw2", b.Emit(OpCode::kConv2dFilterGrad, {p1, g2}, fg2)});
+  const auto g1 = masked_pool_grad(r1, b.Emit(OpCode::kConv2dInputGrad, {g2, w2}, ig));
+  m.outputs.push_back({"db1", b.ReduceSum(g1, {0, 2, 3})});
+  m.outputs.push_back({"dw1", b.Emit(OpCode::kConv2dFilterGrad, {image, g1}, fg1)});
+
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  const ir::Module& jm = step->module();
+  INFO(ir::Print(jm));
+  CHECK(step->info().channels_last_convs == 5);  // the stem and its filter gradient, the convolution and both gradients
+  int transposes = 0, nhwc_pools = 0;
+  for (ValueId v = 0; v < jm.size(); ++v) {
+    const ir::Instr& in = jm.at(v);
+    transposes += in.op == OpCode::kTranspose;
+    if (in.op == OpCode::kMaxPool || in.op == OpCode::kMaxPoolGrad) {
+      CHECK(in.GetInt(jit::kNhwcAttr, 0) == 1);
+      nhwc_pools += 1;
+    }
+  }
+  CHECK(nhwc_pools == 4);
+  CHECK(transposes == 2);  // the features out, their gradient in
+
+  TensorMap in{{"image", RandomF32({n, 1, hw, hw}, 21)}, {"dfeat", RandomF32({n, feats}, 22)}};
+  TensorMap vars{{"w1", RandomF32({c1, 1, 3, 3}, 23)}, {"b1", RandomF32({c1}, 24)},
+                 {"w2", RandomF32({c2, c1, 3, 3}, 25)}, {"b2", RandomF32({c2}, 26)}};
+  const char* kOutputs[] = {"feat", "db2", "dw2", "db1", "dw1"};
+  TensorMap ref_vars = vars;
+  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
+  const TensorMap got = Jit(m, true, vars, in), again = Jit(m, true, vars, in);
+  TensorMap one;
+  {
+    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    one = Jit(m, true, vars, in);
+  }
+  for (const char* k : kOutputs) {
+    INFO(k);
+    CHECK(got.at(k).type == ref.at(k).type);
+    CHECK(RelativeError(got.at(k), ref.at(k)) <= 1e-5);
+    CHECK(std::memcmp(got.at(k).raw(), again.at(k).raw(), got.at(k).bytes()) == 0);
+    CHECK(std::memcmp(got.at(k).raw(), one.at(k).raw(), got.at(k).bytes()) == 0);
+  }
+
+  // A NaN pixel: the stem spreads it over its 3x3 neighbourhood in every channel, the poolings take it as
+  // a maximum and relu's mask drops its gradient (NaN > 0 is false): the interpreter's NaNs, where they are.
+  in["image"].f32[hw + 3] = NAN;
+  ref_vars = vars;
+  const TensorMap ref_nan = runtime::RunStep(m, ref_vars, in), nan = Jit(m, true, vars, in);
+  int nans = 0;
+  for (const char* k : kOutputs) {
+    const Tensor &a = nan.at(k), &r = ref_nan.at(k);
+    for (size_t i = 0; i < r.f32.size(); ++i) {
+      INFO(k << "[" << i << "]: " << a.f32[i] << " vs the interpreter's " << r.f32[i]);
+      REQUIRE(std::isnan(a.f32[i]) == std::isnan(r.f32[i]));
+      nans += std::isnan(r.f32[i]);
+    }
+  }
+  CHECK(nans > 0);
 }
