@@ -1821,7 +1821,7 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
         StridedGatherToBf16(in.type.shape, static_cast<const float*>(P(0)), ss, static_cast<uint16_t*>(out));
       else if (in.type.dtype == DType::kBF16)
         StridedGather16(in.type.shape, static_cast<const uint16_t*>(P(0)), ss, static_cast<uint16_t*>(out));
-      else
+      else if (!BatchedTranspose(shape(0), perm, U(0), uo))
         StridedGather(in.type.shape, U(0), ss, uo);
       return;
     }

@@ -6,7 +6,7 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
-#include <emmintrin.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -128,15 +128,75 @@ void CopyRows(const uint32_t* s, int64_t s_step, int64_t n, int64_t rows, uint32
 
 }  // namespace
 
+namespace {
+// An 8 x 8 tile in AVX registers: rows src + i * ld_src (i < 8) to rows dst + j * ld_dst. Pairs of rows
+// interleaved, then pairs of pairs, then the 128-bit halves exchanged (the usual three stages). Shuffles
+// only: every bit pattern (a NaN's payload included) is moved as it is.
+__attribute__((target("avx2"))) void Transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm256_storeu_ps(dst + j * ld_dst, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
+    _mm256_storeu_ps(dst + (j + 4) * ld_dst, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
+  }
+}
+}  // namespace
+
+void TransposeMatrix(const uint32_t* src, int64_t rows, int64_t cols, uint32_t* dst) {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  constexpr int64_t kTile = 16;
+  for (int64_t i0 = 0; i0 < rows; i0 += kTile)
+    for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
+      const int64_t i1 = std::min(rows, i0 + kTile), j1 = std::min(cols, j0 + kTile);
+      int64_t i8 = i0, j8 = j0;  // the part done by 8 x 8 blocks: [i0, i8) x [j0, j8)
+      if (avx2) {
+        i8 = i0 + (i1 - i0) / 8 * 8, j8 = j0 + (j1 - j0) / 8 * 8;
+        for (int64_t i = i0; i < i8; i += 8)
+          for (int64_t j = j0; j < j8; j += 8)
+            Transpose8x8(reinterpret_cast<const float*>(src + i * cols + j), cols,
+                         reinterpret_cast<float*>(dst + j * rows + i), rows);
+      }
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t j = i < i8 ? j8 : j0; j < j1; ++j) dst[j * rows + i] = src[i * cols + j];
+    }
+}
+void TransposeMatrix(const float* src, int64_t rows, int64_t cols, float* dst) {
+  TransposeMatrix(reinterpret_cast<const uint32_t*>(src), rows, cols, reinterpret_cast<uint32_t*>(dst));
+}
+
+bool BatchedTranspose(const Shape& shape, const ir::IntList& perm, const uint32_t* src, uint32_t* dst) {
+  const int r = static_cast<int>(perm.size());
+  int b = 0;  // leading dimensions kept in place
+  while (b < r && perm[b] == b) ++b;
+  if (b == r) return false;
+  const int64_t j = perm[b];  // perm = [0 .. b-1, j .. r-1, b .. j-1]
+  for (int i = b; i < r; ++i)
+    if (perm[i] != (i - b < r - j ? j + (i - b) : b + (i - b) - (r - j))) return false;
+  int64_t batch = 1, rows = 1, cols = 1;
+  for (int d = 0; d < b; ++d) batch *= shape[d];
+  for (int64_t d = b; d < j; ++d) rows *= shape[d];
+  for (int64_t d = j; d < r; ++d) cols *= shape[d];
+  if (rows < 8 || cols < 8) return false;  // a vector of runs: StridedGather's copies do as well
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (rows * cols));
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, batch, grain), [&](const tbb::blocked_range<int64_t>& range) {
+    for (int64_t i = range.begin(); i < range.end(); ++i)
+      TransposeMatrix(src + i * rows * cols, rows, cols, dst + i * rows * cols);
+  });
+  return true;
+}
+
 void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = 0; k < c; ++k)
-      for (int64_t j = 0; j < p; ++j) y[(i * p + j) * c + k] = x[(i * c + k) * p + j];
+  for (int64_t i = 0; i < n; ++i) TransposeMatrix(x + i * c * p, c, p, y + i * c * p);
 }
 void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = 0; k < c; ++k)
-      for (int64_t j = 0; j < p; ++j) y[(i * c + k) * p + j] = x[(i * p + j) * c + k];
+  for (int64_t i = 0; i < n; ++i) TransposeMatrix(x + i * c * p, p, c, y + i * c * p);
 }
 
 namespace {

@@ -36,8 +36,18 @@ class Strides {
 // Row-major strides of `s`.
 Strides RowMajor(const ir::Shape& s);
 
-// n images of c channels and p pixels, NCHW -> NHWC and back (plain loops: the channels-last
-// convolutions' rare exact calls, bench/conv).
+// dst[cols, rows] = src[rows, cols]^T (4-byte elements moved bit for bit), in 16 x 16 tiles, their whole
+// 8 x 8 blocks in AVX registers where the CPU has AVX2 (TurnedSgemmNT's two transposes were 2.8% of the
+// CPU time of an N = 8 MLP step as scalar copies).
+void TransposeMatrix(const uint32_t* src, int64_t rows, int64_t cols, uint32_t* dst);
+void TransposeMatrix(const float* src, int64_t rows, int64_t cols, float* dst);
+// A transpose that swaps two groups of trailing dimensions, perm = [0 .. b-1, j .. r-1, b .. j-1]: a batch
+// of matrix transposes (NCHW <-> NHWC at the channels-last region's edges; a 2-D transpose). Returns
+// false, doing nothing, for another perm or when a side of the matrices is under 8.
+bool BatchedTranspose(const ir::Shape& shape, const ir::IntList& perm, const uint32_t* src, uint32_t* dst);
+
+// n images of c channels and p pixels, NCHW -> NHWC and back (the channels-last convolutions' rare
+// exact calls, bench/conv).
 void NchwToNhwc(const float* x, int64_t n, int64_t c, int64_t p, float* y);
 void NhwcToNchw(const float* x, int64_t n, int64_t c, int64_t p, float* y);
 

@@ -1,6 +1,7 @@
 // oneDNN sgemm and the process threading policy (see dnnl_kernels.h).
 #include "jit/dnnl_kernels.h"
 #include "jit/dnnl_runtime.h"
+#include "jit/data_movement.h"
 
 #include <dlfcn.h>
 #include <dnnl.h>
@@ -141,44 +142,6 @@ bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
 }
 
 namespace {
-// An 8 x 8 tile in AVX registers: rows src + i * ld_src (i < 8) to rows dst + j * ld_dst. Pairs of rows
-// interleaved, then pairs of pairs, then the 128-bit halves exchanged (the usual three stages).
-__attribute__((target("avx2"))) void Transpose8x8(const float* src, int64_t ld_src, float* dst, int64_t ld_dst) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int j = 0; j < 4; ++j) {
-    _mm256_storeu_ps(dst + j * ld_dst, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-    _mm256_storeu_ps(dst + (j + 4) * ld_dst, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-  }
-}
-
-// dst[cols, rows] = src[rows, cols]^T, in 16 x 16 tiles, their whole 8 x 8 blocks in AVX registers
-// where the CPU has AVX2 (TurnedSgemmNT's two transposes were 2.8% of the CPU time of an N = 8 MLP
-// step as scalar copies).
-void Transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  constexpr int64_t kTile = 16;
-  for (int64_t i0 = 0; i0 < rows; i0 += kTile)
-    for (int64_t j0 = 0; j0 < cols; j0 += kTile) {
-      const int64_t i1 = std::min(rows, i0 + kTile), j1 = std::min(cols, j0 + kTile);
-      int64_t i8 = i0, j8 = j0;  // the part done by 8 x 8 blocks: [i0, i8) x [j0, j8)
-      if (avx2) {
-        i8 = i0 + (i1 - i0) / 8 * 8, j8 = j0 + (j1 - j0) / 8 * 8;
-        for (int64_t i = i0; i < i8; i += 8)
-          for (int64_t j = j0; j < j8; j += 8) Transpose8x8(src + i * cols + j, cols, dst + j * rows + i, rows);
-      }
-      for (int64_t i = i0; i < i1; ++i)
-        for (int64_t j = i < i8 ? j8 : j0; j < j1; ++j) dst[j * rows + i] = src[i * cols + j];
-    }
-}
-
 // The calling (replica) thread's scratch, grown only: StepSgemm runs on the replica thread, and the
 // TBB tasks it starts get pointers.
 float* TurnScratch(int64_t n) {
@@ -191,9 +154,9 @@ float* TurnScratch(int64_t n) {
 void TurnedSgemmNT(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c) {
   float* const at = TurnScratch(m * k + n * m);  // A^T [k, m], then C^T [n, m]
   float* const ct = at + m * k;
-  Transpose(a, m, k, at);
+  TransposeMatrix(a, m, k, at);
   ParallelSgemm(false, false, n, m, k, b, k, at, m, ct);
-  Transpose(ct, n, m, c);
+  TransposeMatrix(ct, n, m, c);
 }
 
 void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
@@ -375,7 +338,7 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
     std::vector<float>& ct = scope.ops->turned;
     if (static_cast<int64_t>(ct.size()) < m * n) ct.resize(m * n);
     ParallelBf16Matmul(true, false, 1, n, m, k, hb, ldb, 0, ha, lda, 0, ct.data());
-    Transpose(ct.data(), n, m, c);
+    TransposeMatrix(ct.data(), n, m, c);
     return;
   }
   // Blocks of rows, or of columns when the product is wider than tall (the MLP's batch-128 forward and

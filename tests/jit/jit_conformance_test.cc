@@ -365,6 +365,14 @@ std::vector<Case> CasesFor(OpCode op) {
         out.push_back(a.Out(a.b.Transpose(a.In(T(t, {2, 3, 4}), Dist::kWide), {2, 0, 1})));
         CaseBuilder b(name + " 2d " + Name(t));
         out.push_back(b.Out(b.b.Transpose(b.In(T(t, {5, 7}), Dist::kWide), {1, 0})));
+        // Batches of matrix transposes with sides of at least 8 (jit/data_movement.h BatchedTranspose):
+        // NCHW -> NHWC and back, a 2-D one, each with tiles cut short at both edges.
+        CaseBuilder c(name + " nchw->nhwc " + Name(t));
+        out.push_back(c.Out(c.b.Transpose(c.In(T(t, {3, 20, 5, 7}), Dist::kWide), {0, 2, 3, 1})));
+        CaseBuilder d(name + " nhwc->nchw " + Name(t));
+        out.push_back(d.Out(d.b.Transpose(d.In(T(t, {3, 5, 7, 20}), Dist::kWide), {0, 3, 1, 2})));
+        CaseBuilder e(name + " 2d large " + Name(t));
+        out.push_back(e.Out(e.b.Transpose(e.In(T(t, {19, 33}), Dist::kWide), {1, 0})));
       }
       break;
     case OpCode::kSlice:
