@@ -39,6 +39,7 @@ class Rewrite {
 
   int Run() {
     const int n = m_.size();
+    if (!ChannelsLastAllowed()) return 0;
     // A lone convolution pays in transposes at its edges what it saves in oneDNN's reorders (the CNN's
     // second, between two max poolings, made its step 2-4% slower NHWC while the poolings ran NCHW):
     // the rewrite needs a stack of at least two forward convolutions it can take, or one after a stem

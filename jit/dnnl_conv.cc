@@ -314,6 +314,8 @@ const std::string& ConvChoice() {  // SHARDSTEP_CONV, read once per process
 }
 }  // namespace
 
+bool ChannelsLastAllowed() { return ConvChoice() != "im2col"; }
+
 bool WinogradAllowed() { return WinogradCpu() && ConvChoice() != "direct" && ConvChoice() != "im2col"; }
 
 ConvPath ChooseConvPath(ConvKind kind, const ConvShape& g, ConvTies ties) {

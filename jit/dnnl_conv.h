@@ -36,6 +36,9 @@ const char* ConvPathName(ConvPath p);
 // among equal values follows exact ties (Winograd's result depends on a patch's place in its tile).
 enum class ConvTies { kFree, kExact };
 
+// Whether a step may run convolutions channels-last (jit/channels_last.h): not when the environment
+// variable SHARDSTEP_CONV=im2col asks for im2col for every convolution (read once per process).
+bool ChannelsLastAllowed();
 // Whether Winograd pays on this CPU at all (bench/conv: on an AMD CPU it did, on an Intel one with AMX
 // it did not); read once per process.
 bool WinogradCpu();
