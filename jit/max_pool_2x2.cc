@@ -43,6 +43,25 @@ SS_AVX512 inline __mmask16 Takes(__m512 c, __m512 b) {
          (_mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(b, b, _CMP_ORD_Q));
 }
 
+// wins[i]: the lanes where candidate i (row-major) is its window's first maximum, and with kReluMask
+// also > 0 (false for a NaN, as the IR's comparison). Inlined into the loops (see Rows).
+template <bool kReluMask>
+SS_AVX512 __attribute__((always_inline)) inline void Winners(const __m512 c[4], __mmask16 wins[4]) {
+  // take[i]: candidate i is the first maximum so far; a later one clears the earlier ones.
+  __m512 b = c[0];
+  __mmask16 take[4] = {0, 0, 0, 0};
+  for (int i = 1; i < 4; ++i) {
+    take[i] = Takes(c[i], b);
+    b = _mm512_mask_blend_ps(take[i], b, c[i]);
+  }
+  wins[3] = take[3];
+  wins[2] = take[2] & ~take[3];
+  wins[1] = take[1] & ~take[2] & ~take[3];
+  wins[0] = ~(take[1] | take[2] | take[3]);
+  if (kReluMask)
+    for (int i = 0; i < 4; ++i) wins[i] &= _mm512_cmp_ps_mask(c[i], _mm512_setzero_ps(), _CMP_GT_OQ);
+}
+
 // The four candidates of outputs j0 .. j0 + 15 of one output row are loaded in each loop (rows r0, r1 of
 // its windows): top-left, top-right, bottom-left, bottom-right (row-major: the order the
 // first-maximum rule visits them). Inputs past the row's windows load as zero (masked off: nothing is
@@ -94,20 +113,8 @@ SS_AVX512 void GradRows(const Rows g, const float* __restrict x, const float* __
         c[2 * r] = _mm512_permutex2var_ps(a, even, b);
         c[2 * r + 1] = _mm512_permutex2var_ps(a, odd, b);
       }
-      // take[i]: candidate i is the first maximum so far; a later one clears the earlier ones.
-      __m512 b = c[0];
-      __mmask16 take[4] = {0, 0, 0, 0};
-      for (int i = 1; i < 4; ++i) {
-        take[i] = Takes(c[i], b);
-        b = _mm512_mask_blend_ps(take[i], b, c[i]);
-      }
       __mmask16 wins[4];
-      wins[3] = take[3];
-      wins[2] = take[2] & ~take[3];
-      wins[1] = take[1] & ~take[2] & ~take[3];
-      wins[0] = ~(take[1] | take[2] | take[3]);
-      if (kReluMask)  // x > 0 is false for a NaN, as the IR's comparison
-        for (int i = 0; i < 4; ++i) wins[i] &= _mm512_cmp_ps_mask(c[i], zero, _CMP_GT_OQ);
+      Winners<kReluMask>(c, wins);
       // 0 + dy, as the interpreter accumulates; +0 where a candidate does not win.
       const __m512 d = _mm512_add_ps(zero, _mm512_maskz_loadu_ps(FirstLanes(outputs), dy + o + j0));
       float* out[2] = {dx + r0, dx + r1};
@@ -163,20 +170,8 @@ SS_AVX512 void GradPixelsNhwc(const Pixels g, const float* __restrict x, const f
       const __mmask16 lanes = FirstLanes(g.c - c0);
       __m512 c[4];
       for (int i = 0; i < 4; ++i) c[i] = _mm512_maskz_loadu_ps(lanes, x + top + offsets[i] + c0);
-      // take[i]: candidate i is the first maximum so far; a later one clears the earlier ones.
-      __m512 b = c[0];
-      __mmask16 take[4] = {0, 0, 0, 0};
-      for (int i = 1; i < 4; ++i) {
-        take[i] = Takes(c[i], b);
-        b = _mm512_mask_blend_ps(take[i], b, c[i]);
-      }
       __mmask16 wins[4];
-      wins[3] = take[3];
-      wins[2] = take[2] & ~take[3];
-      wins[1] = take[1] & ~take[2] & ~take[3];
-      wins[0] = ~(take[1] | take[2] | take[3]);
-      if (kReluMask)  // x > 0 is false for a NaN, as the IR's comparison
-        for (int i = 0; i < 4; ++i) wins[i] &= _mm512_cmp_ps_mask(c[i], zero, _CMP_GT_OQ);
+      Winners<kReluMask>(c, wins);
       // 0 + dy, as the interpreter accumulates; +0 where a candidate does not win.
       const __m512 d = _mm512_add_ps(zero, _mm512_maskz_loadu_ps(lanes, dy + q * g.c + c0));
       for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(dx + top + offsets[i] + c0, lanes, _mm512_maskz_mov_ps(wins[i], d));

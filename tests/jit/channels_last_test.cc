@@ -99,6 +99,27 @@ double RelativeError(const Tensor& a, const Tensor& b) {
   return worst / scale;
 }
 
+// The channels-last step's outputs `keys`: the interpreter's values (within the sums' rounding), and the same
+// bits again and on one thread.
+void CheckAgainstInterpreter(const ir::Module& m, const TensorMap& vars, const TensorMap& in,
+                             const std::vector<const char*>& keys) {
+  TensorMap ref_vars = vars;
+  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
+  const TensorMap got = Jit(m, true, vars, in), again = Jit(m, true, vars, in);
+  TensorMap one;
+  {
+    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
+    one = Jit(m, true, vars, in);
+  }
+  for (const char* k : keys) {
+    INFO(k);
+    CHECK(got.at(k).type == ref.at(k).type);
+    CHECK(RelativeError(got.at(k), ref.at(k)) <= 1e-5);
+    CHECK(std::memcmp(got.at(k).raw(), again.at(k).raw(), got.at(k).bytes()) == 0);
+    CHECK(std::memcmp(got.at(k).raw(), one.at(k).raw(), got.at(k).bytes()) == 0);
+  }
+}
+
 }  // namespace
 
 TEST_CASE("channels-last: the convolutions and the loops between them run NHWC, transposed only at the edges",
@@ -222,26 +243,13 @@ TEST_CASE("channels-last: a one-channel stem runs NHWC when two convolutions fol
   TensorMap in{{"image", RandomF32({kN, 1, kH, kW}, 11)}, {"dy", RandomF32(act, 12)}};
   TensorMap vars{{"ws", RandomF32({kC, 1, 3, 3}, 13)}, {"w1", RandomF32({kC, kC, 3, 3}, 14)},
                  {"w2", RandomF32({kC, kC, 3, 3}, 15)}};
-  TensorMap ref_vars = vars;
-  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
-  const TensorMap got = Jit(m, true, vars, in), again = Jit(m, true, vars, in);
-  TensorMap one;
-  {
-    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
-    one = Jit(m, true, vars, in);
-  }
-  for (const char* k : {"y", "dws"}) {
-    INFO(k);
-    CHECK(RelativeError(got.at(k), ref.at(k)) <= 1e-5);
-    CHECK(std::memcmp(got.at(k).raw(), again.at(k).raw(), got.at(k).bytes()) == 0);
-    CHECK(std::memcmp(got.at(k).raw(), one.at(k).raw(), got.at(k).bytes()) == 0);
-  }
+  CheckAgainstInterpreter(m, vars, in, {"y", "dws"});
 
   // An inf in the stem's output gradient at an image's corner meets padding in the filter gradient,
   // and an inf stem weight at the top-left tap in the forward pass: the interpreter's NaNs.
   in["dy"].f32[0] = INFINITY;
   vars["ws"].f32[9 * 3] = INFINITY;
-  ref_vars = vars;
+  TensorMap ref_vars = vars;
   const TensorMap ref_bad = runtime::RunStep(m, ref_vars, in), bad = Jit(m, true, vars, in);
   int nans = 0;
   for (const char* k : {"y", "dws"}) {
@@ -424,27 +432,13 @@ TEST_CASE("channels-last: a stem, a convolution and max pooling run NHWC, transp
   TensorMap in{{"image", RandomF32({n, 1, hw, hw}, 21)}, {"dfeat", RandomF32({n, feats}, 22)}};
   TensorMap vars{{"w1", RandomF32({c1, 1, 3, 3}, 23)}, {"b1", RandomF32({c1}, 24)},
                  {"w2", RandomF32({c2, c1, 3, 3}, 25)}, {"b2", RandomF32({c2}, 26)}};
-  const char* kOutputs[] = {"feat", "db2", "dw2", "db1", "dw1"};
-  TensorMap ref_vars = vars;
-  const TensorMap ref = runtime::RunStep(m, ref_vars, in);
-  const TensorMap got = Jit(m, true, vars, in), again = Jit(m, true, vars, in);
-  TensorMap one;
-  {
-    const tbb::global_control one_thread(tbb::global_control::max_allowed_parallelism, 1);
-    one = Jit(m, true, vars, in);
-  }
-  for (const char* k : kOutputs) {
-    INFO(k);
-    CHECK(got.at(k).type == ref.at(k).type);
-    CHECK(RelativeError(got.at(k), ref.at(k)) <= 1e-5);
-    CHECK(std::memcmp(got.at(k).raw(), again.at(k).raw(), got.at(k).bytes()) == 0);
-    CHECK(std::memcmp(got.at(k).raw(), one.at(k).raw(), got.at(k).bytes()) == 0);
-  }
+  const std::vector<const char*> kOutputs = {"feat", "db2", "dw2", "db1", "dw1"};
+  CheckAgainstInterpreter(m, vars, in, kOutputs);
 
   // A NaN pixel: the stem spreads it over its 3x3 neighbourhood in every channel, the poolings take it as
   // a maximum and relu's mask drops its gradient (NaN > 0 is false): the interpreter's NaNs, where they are.
   in["image"].f32[hw + 3] = NAN;
-  ref_vars = vars;
+  TensorMap ref_vars = vars;
   const TensorMap ref_nan = runtime::RunStep(m, ref_vars, in), nan = Jit(m, true, vars, in);
   int nans = 0;
   for (const char* k : kOutputs) {
