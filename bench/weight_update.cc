@@ -8,9 +8,9 @@
 // The phase is split into its communication (the all-reduce, or the reduce-scatter + all-gather:
 // wall time inside the collectives, from the executor) and the update computation (the rest: the
 // optimizer arithmetic and the formatting around it), which is the redundant work that sharding
-// divides by N. Both modes move the same collective bytes, so the communication ratio stays near 1
-// and, on a shared-memory host where collectives are memory copies on the same cores, bounds the
-// whole-phase ratio from below.
+// divides by N. Without shared weights both modes move the same collective bytes (ratio near 1), which
+// on a shared-memory host where collectives are memory copies on the same cores bounds the whole-phase
+// ratio from below; with them (the cpu backend's in-process replicas) the all-gather writes each byte once.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -21,6 +21,7 @@
 
 #include "bench/update_module.h"
 #include "dsl/dsl.h"
+#include "jit/cpu_executor.h"
 #include "shardstep/shardstep.h"
 #include "models/models.h"
 #include "runtime/executor.h"
@@ -110,12 +111,14 @@ int main(int argc, char** argv) {
               "collectives (ms)", "whole step (ms)");
   std::printf("%3s | %10s %10s %10s | %10s %10s %10s | %8s %8s %8s | %8s %8s %8s\n", "N", "repl", "shard", "ratio", "repl",
               "shard", "ratio", "repl", "shard", "ratio", "repl", "shard", "ratio");
+  bool shared_weights = false;  // the sharded replicas share one copy of each weight (jit::CpuExecutor)
   for (int n : ns) {
     Timing upd[2], step[2];
     {
       const runtime::TensorMap grads = bench::RandomGradients(weights, n);
       ir::Module repl = bench::UpdateModule(weights, n, false), shard = bench::UpdateModule(weights, n, true);
       auto r = MakeSession(backend, repl), s = MakeSession(backend, shard);
+      if (auto* cpu = dynamic_cast<jit::CpuExecutor*>(&s->executor()); cpu && n > 1) shared_weights = cpu->shared_weights() > 0;
       std::tie(upd[0], upd[1]) = TimeAlternately(reps, r->executor(), s->executor(), grads);
     }
     if (!skip_step) {
@@ -143,15 +146,20 @@ int main(int argc, char** argv) {
   // The closed-form memory traffic per replica, in units of E = the gradient bytes (in-process
   // collectives are memory copies; see runtime/inprocess_collectives.h):
   //   all-reduce: fold reads E, writes E/N to scratch; copy-out reads E, writes E   = 3E + E/N
-  //   reduce-scatter: fold reads E, writes E/N;  all-gather: reads E, writes E      = 3E + E/N
-  //   Adam replicated: reads g, w, m, v, writes w, m, v                            = 7E
-  //   Adam sharded: 7E/N, plus the local slice of w (reads E/N, writes E/N)        = 9E/N
-  std::printf("\nclosed-form memory traffic per replica (units of the gradient bytes), as sharded/replicated ratios:\n");
+  //   reduce-scatter: fold reads E, writes E/N                                      = E + E/N
+  //   all-gather: reads E, writes E; into one weight copy the replicas share, each
+  //     member writes its own chunk only: reads E/N, writes E/N                     = 2E or 2E/N
+  //   Adam replicated: reads g, w, m, v, writes w, m, v (in place)                 = 7E
+  //   Adam sharded: the same on 1/N: the local slice of w is read where it is (a
+  //     view), m and v are updated in place, the new slice goes to the all-gather   = 7E/N
+  std::printf("\nclosed-form memory traffic per replica (units of the gradient bytes), as sharded/replicated ratios%s:\n",
+              shared_weights ? " (the sharded replicas share one weight copy)" : "");
   std::printf("%3s | %10s | %10s | %10s\n", "N", "phase", "update", "collectives");
   for (int n : ns) {
     if (n == 1) continue;
-    const double coll = 3.0 + 1.0 / n, upd_r = 7.0, upd_s = 9.0 / n;
-    std::printf("%3d | %10.3f | %10.3f | %10.3f\n", n, (coll + upd_s) / (coll + upd_r), upd_s / upd_r, 1.0);
+    const double coll_r = 3.0 + 1.0 / n, coll_s = 1.0 + 1.0 / n + (shared_weights ? 2.0 / n : 2.0);
+    const double upd_r = 7.0, upd_s = 7.0 / n;
+    std::printf("%3d | %10.3f | %10.3f | %10.3f\n", n, (coll_s + upd_s) / (coll_r + upd_r), upd_s / upd_r, coll_s / coll_r);
   }
   std::printf("ratio = sharded / replicated time, measured in this run on this machine; update computation =\n"
               "update phase - collectives (from a collective's last arrival to its exit; replicas leave it together)\n");

@@ -229,6 +229,15 @@ void RunPermute(const ir::Instr& in, const void* x, void* out, int replica, int 
 bool HasBf16Operands(const ir::Module& m, const ir::Instr& in) {
   return in.op == OpCode::kMatmul && in.type.dtype == DType::kF32 && m.type(in.operands[0]).dtype == DType::kBF16;
 }
+
+// A gather of the replica's own row: its index is replica_id, always in [0, num_replicas) (Run checks
+// the replica), and the table has a row for every replica, so it cannot fail on the data. The sharded
+// weight update reads each variable's slice this way; the small slices' gathers run after the large
+// tensors' optimizer loops, which could otherwise not update in place (PlanInPlaceUpdates).
+bool GathersOwnRow(const ir::Module& m, const ir::Instr& in) {
+  return in.op == OpCode::kGather && in.operands.size() == 2 && m.at(in.operands[1]).op == OpCode::kReplicaId &&
+         !m.type(in.operands[0]).shape.empty() && m.type(in.operands[0]).shape[0] >= m.num_replicas;
+}
 }  // namespace
 
 Lowering LoweringOf(const ir::Module& m, ValueId v) {
@@ -580,7 +589,7 @@ void CompiledStep::PlanInPlaceUpdates() {
         default:
           fails = !(op == OpCode::kBroadcast || op == OpCode::kTranspose || op == OpCode::kReshape ||
                     op == OpCode::kSlice || op == OpCode::kPad || op == OpCode::kConcat || op == OpCode::kReduceSum ||
-                    op == OpCode::kReduceMean || op == OpCode::kReduceMax);
+                    op == OpCode::kReduceMean || op == OpCode::kReduceMax || GathersOwnRow(m_, m_.at(s.value)));
       }
       if (LoweringOf(m_, s.value) != Lowering::kCollective) fails_after_rendezvous = fails;
     } else {
