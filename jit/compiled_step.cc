@@ -706,6 +706,81 @@ void CompiledStep::PlanInPlaceUpdates() {
     in_place_[v] = 1;
     ++info_.gathered_updates;
   }
+
+  // With collectives that take an all-gather whose input is the member's own chunk of its output
+  // (JitOptions::in_place_all_gathers), a plain all-gather written into its variable whose input is a
+  // loop's output computed from the replica's own row of that variable (the sharded update: w' = w_r -
+  // step, w_r = gather(reshape(w), replica_id)) has the loop store w' over w_r, in the variable itself;
+  // the all-gather then copies the other members' chunks only (none, into a weight the replicas share).
+  // The new slice's buffer, and its write-allocate reads, go (MLP 784-4096-4096-10 update at N = 8: the
+  // loops' writes were 4 of 7 streams, 1 of them to that buffer). Only where nothing can tell: the loop
+  // is its only writer of the variable, after a rendezvous of every replica before which every other
+  // reader of the variable runs (replicas may share the variable's storage), nothing after that
+  // rendezvous can fail, and the all-gather's group is every replica in order (member r's chunk is row r).
+  gathered_from_.assign(n, -1);
+  info_.in_place_gathers = 0;
+  if (!in_place_all_gathers_) return;
+  std::vector<int> chain_at;  // positions of the view's chain from the variable to the loop's input
+  for (ValueId g = 0; g < n; ++g) {
+    const ir::Instr& gi = m_.at(g);
+    if (gi.op != OpCode::kAllGather || gather_slot_[g] < 0 || packed_of_[g] >= 0 || gi.type.dtype != DType::kF32) continue;
+    const ValueId u = gi.operands[0];
+    const int slot = gather_slot_[g];
+    // (A variable may appear as several instructions of one slot.)
+    auto of_var = [&](ValueId r) { return m_.at(r).op == OpCode::kVariable && leaf_slot_[r] == slot; };
+    const int kk = kernel_of[u];
+    if (kk < 0 || reduce_group_of_kernel_[kk] >= 0 || users[u].size() != 1 || in_place_[u] || read_at_end[root[u]]) continue;
+    FusedKernel& k = kernels_[kk];
+    const auto out = std::find(k.outputs.begin(), k.outputs.end(), u);
+    if (out == k.outputs.end() || k.store_into[out - k.outputs.begin()] >= 0 || m_.type(u).shape != k.shape) continue;
+    // The loop reads the variable once, directly, through a view of the replica's own row.
+    int into = -1, count = 0;
+    for (size_t j = 0; j < k.inputs.size(); ++j) {
+      if (!of_var(root[k.inputs[j]])) continue;
+      ++count;
+      into = static_cast<int>(j);
+    }
+    if (count != 1) continue;
+    const ValueId x = k.inputs[into];
+    bool direct = m_.type(x) == m_.type(u);
+    for (ValueId w : users[x])
+      if (kernel_of[w] == kk && m_.at(w).op == OpCode::kBroadcast) direct = false;
+    if (!direct) continue;
+    chain_at.clear();
+    ValueId s = x;
+    while (LoweringOf(m_, s) == Lowering::kAlias) {
+      chain_at.push_back(at_value[s]);
+      s = m_.at(s).operands[0];
+    }
+    if (!(view_[s] && GathersOwnRow(m_, m_.at(s)))) continue;
+    chain_at.push_back(at_value[s]);
+    ValueId table = m_.at(s).operands[0];
+    while (!of_var(table) && LoweringOf(m_, table) == Lowering::kAlias) {
+      chain_at.push_back(at_value[table]);
+      table = m_.at(table).operands[0];
+    }
+    const ir::Shape& rows = m_.type(m_.at(s).operands[0]).shape;
+    if (!of_var(table) || rows[0] != m_.num_replicas || m_.type(table).elements() != m_.num_replicas * m_.type(u).elements())
+      continue;
+    bool in_order = static_cast<int>(routes_[g].size()) == m_.num_replicas;
+    for (int r = 0; in_order && r < m_.num_replicas; ++r) {
+      const Route& route = routes_[g][r];
+      in_order = route.error.empty() && static_cast<int>(route.group.size()) == m_.num_replicas;
+      for (int i = 0; in_order && i < m_.num_replicas; ++i) in_order = route.group[i] == i;
+    }
+    const int at = at_kernel[kk], q = full_rendezvous_before[at];
+    if (!in_order || q < 0 || may_fail_after_rendezvous[q + 1]) continue;
+    bool later = false;
+    for (ValueId r = 0; r < n && !later; ++r)
+      if (of_var(r))
+        for (int p : readers[r])
+          later |= p > q && p != at && std::find(chain_at.begin(), chain_at.end(), p) == chain_at.end();
+    if (later) continue;
+    k.store_into[out - k.outputs.begin()] = into;
+    in_place_[u] = 1;
+    gathered_from_[g] = x;
+    ++info_.in_place_gathers;
+  }
 }
 
 std::vector<int> CompiledStep::GatheredVariableSlots(int num_replicas) const {
@@ -1604,7 +1679,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   // Every choice that changes the kernels or the driver is in the keys (a cached step planned the other way
   // would run other loops over other buffers).
   const std::string mem_key = HashHex(text) + (options.disk_cache ? "d" : "n") + (fuse ? "r" : "u") + (reuse ? "i" : "o") +
-                              options.cache_dir;
+                              (options.in_place_all_gathers ? "g" : "c") + options.cache_dir;
   std::lock_guard<std::mutex> lock(g_cache_mu);
   if (auto it = MemoryCache().find(mem_key); options.memory_cache && it != MemoryCache().end()) {
     auto copy = std::shared_ptr<CompiledStep>(new CompiledStep(*it->second));
@@ -1615,6 +1690,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   auto step = std::shared_ptr<CompiledStep>(new CompiledStep());
   step->m_ = std::move(m);
   step->reuse_inputs_ = reuse;
+  step->in_place_all_gathers_ = options.in_place_all_gathers;
   step->Plan(fuse);
   if (JitDumpWanted()) AppendJitModuleText(step->KernelTable());
   step->info_.recomputed_values = recomputed;
@@ -1623,7 +1699,8 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   step->jit_ = JitCompiler::Create(options);
   step->jit_->DefineSymbols(StepRuntimeSymbols());
   step->info_.key = HashHex(text + "|" + kEmitterVersion + (fuse ? "|fused-reductions" : "") +
-                            (reuse ? "" : "|no-reused-inputs") + "|" + step->jit_->target_key());
+                            (reuse ? "" : "|no-reused-inputs") + (options.in_place_all_gathers ? "|in-place-all-gathers" : "") +
+                            "|" + step->jit_->target_key());
   if (step->jit_->AddCachedObject(step->info_.key)) {
     step->info_.source = "disk cache";
   } else {
@@ -1771,12 +1848,14 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       if (packed_of_[v] >= 0) return RunPackedCollective(v, group, b, replica, c, ws);
       if (gather_slot_[v] >= 0) out = ws->ptr[v] = GatheredInto(v, b);
       const int64_t nin = m_.type(in.operands[0]).elements(), nout = in.type.elements();
+      // Stored in place by its loop: the replica's own chunk of the output (PlanInPlaceUpdates).
+      const void* in0 = gathered_from_[v] >= 0 ? ws->ptr[gathered_from_[v]] : P(0);
       if (!c) {
-        std::memcpy(out, P(0), in.type.bytes());
+        std::memmove(out, in0, in.type.bytes());
         return;
       }
       float* o = static_cast<float*>(out);
-      const float* x = static_cast<const float*>(P(0));
+      const float* x = static_cast<const float*>(in0);
       std::vector<float> wide_x, wide_o;  // bf16: reduced as f32 in the f32 order, rounded once
       if (in.type.dtype == DType::kBF16) {
         const uint16_t* h = static_cast<const uint16_t*>(P(0));

@@ -39,6 +39,7 @@ struct CompileInfo {
   int in_place_updates = 0;    // variables' new values stored over the old by their loop (PlanInPlaceUpdates)
   int folded_products = 0;     // products a reduce-scatter computes and folds itself (with in-process collectives)
   int gathered_updates = 0;    // variables' new values written into them by a packed all-gather (the same)
+  int in_place_gathers = 0;    // of those, the replica's own slice stored there by its loop (JitOptions::in_place_all_gathers)
   int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
   int attention_parts = 0;     // bf16 roundings and bias sums attention_grad writes itself (PlanAttentionGradParts)
   int attention_stats = 0;     // attention_grads reusing their forward's softmax statistics (PlanAttentionStats)
@@ -198,6 +199,8 @@ class CompiledStep {
   std::vector<char> in_place_;                 // per value: its kernel or all-gather writes it into its variable (PlanInPlaceUpdates)
   std::vector<int> gather_slot_;               // per all-gather result (or packed one's slice): the variable slot it is written into, or -1
   bool reuse_inputs_ = true;                   // PlanReusedInputs runs (JitOptions::reuse_inputs)
+  bool in_place_all_gathers_ = false;          // JitOptions::in_place_all_gathers
+  std::vector<ir::ValueId> gathered_from_;     // per all-gather: the loop input holding the member's new chunk in place, or -1
   std::vector<char> view_;                     // per value: a view into its operand's storage (PlanViews)
   // Combined collectives run on their parts (PlanPackedCollectives): a reduce-scatter reads the parts of
   // its concat and an all-gather those of its concat and writes the slices of its result, so neither the

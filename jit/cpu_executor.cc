@@ -43,7 +43,11 @@ bool HoldsWhole(const ir::Module& forward, const TensorMap& state) {
 
 CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const CpuExecutorOptions& options)
     : ReplicatedExecutor(step, options.collectives), s_(std::make_unique<State>(step.num_replicas)), options_(options) {
-  step_ = CompiledStep::Compile(step, options.jit);
+  // In-process collectives take an all-gather in place (the replica's new weight slice stored where the
+  // all-gather's output has it).
+  JitOptions jit = options.jit;
+  jit.in_place_all_gathers = dynamic_cast<runtime::InProcessCollectives*>(&collectives()) != nullptr;
+  step_ = CompiledStep::Compile(step, jit);
   static const bool share_env = [] {
     const char* e = std::getenv("SHARDSTEP_JIT_SHARE_WEIGHTS");
     return !(e && std::string(e) == "0");

@@ -32,6 +32,11 @@ struct JitOptions {
   // Convolutions with >= 8 channels and the loops between them run on NHWC activations
   // (jit/channels_last.h); off: every convolution on NCHW, as the IR has them.
   bool channels_last = true;
+  // The collectives take an all-gather whose input is the member's own chunk of its output
+  // (runtime::InProcessCollectives): the sharded update's loop then stores a replica's new slice of a
+  // weight straight into the weight (CompiledStep::PlanInPlaceUpdates), not into a buffer the all-gather
+  // copies from. In the cache keys. jit::CpuExecutor sets it for in-process replicas.
+  bool in_place_all_gathers = false;
 };
 
 // Where cached objects live for `options` (resolves the default).

@@ -370,13 +370,17 @@ void InProcessCollectives::AllGather(int replica, const ReplicaGroup& group, con
                                      int64_t n) {
   int p;
   Group& g = Enter(replica, group, n, &p);
-  CheckDisjoint("AllGather", in, n, out, n * g.size());
+  const bool own_chunk = in == out + p * n;  // in place: the input is already the member's chunk of the output
+  if (!own_chunk) CheckDisjoint("AllGather", in, n, out, n * g.size());
   Slot slot{Kind::kAllGather, n, Reduction::kSum, 0, in};
   slot.out = out;
   Sync(g, p, &slot);
-  if (g.shared_outs[0]) std::copy_n(in, n, out + p * n);  // one output for all: each member writes its own chunk
-  else
-    for (int q = 0; q < g.size(); ++q) std::copy_n(g.slots[q].in, n, out + q * n);
+  if (g.shared_outs[0]) {  // one output for all: each member writes its own chunk
+    if (!own_chunk) std::copy_n(in, n, out + p * n);
+  } else {
+    for (int q = 0; q < g.size(); ++q)
+      if (!(q == p && own_chunk)) std::copy_n(g.slots[q].in, n, out + q * n);
+  }
   Sync(g, p, nullptr);
   Leave(g);
 }

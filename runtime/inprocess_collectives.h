@@ -19,7 +19,8 @@
 // Element j is always folded in group order (position 0 first) by one function, so AllReduce has
 // exactly the bits of ReduceScatter + AllGather and the bits never depend on thread timing. "max"
 // propagates NaN. AllReduce works in place; the input and output of ReduceScatter and AllGather must
-// not overlap (an overlap is reported as an error).
+// not overlap (an overlap is reported as an error), except that AllGather's input may be exactly the
+// member's own chunk of its output (in place: that chunk is not copied; jit::JitOptions::in_place_all_gathers).
 //
 // Communication time: for each group, the wall time from the last member's arrival at a collective
 // (when the data exchange can start) to the last member's exit is summed; time spent waiting for a

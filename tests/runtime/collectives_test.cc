@@ -567,6 +567,42 @@ TEST_CASE("InProcessCollectives: members that pass one shared output each write 
   }
 }
 
+// The sharded weight update's loop stores a replica's new slice where the all-gather's output has it
+// (jit::JitOptions::in_place_all_gathers): the all-gather then copies the other members' chunks only.
+TEST_CASE("InProcessCollectives: an all-gather whose input is the member's own chunk of its output runs in place",
+          "[collectives]") {
+  const int n = 4;
+  const int64_t m = 1001;
+  Buffers data(n);
+  for (int r = 0; r < n; ++r) data[r] = RandomData(90 + r, m);
+  SECTION("each member its own output") {
+    Buffers out(n, std::vector<float>(n * m + 1, -7.0f));
+    for (int r = 0; r < n; ++r) std::copy(data[r].begin(), data[r].end(), out[r].begin() + r * m);
+    InProcessCollectives c(n);
+    RunReplicas(n, &c, [&](int r) { c.AllGather(r, Iota(0, n), out[r].data() + r * m, out[r].data(), m); });
+    for (int r = 0; r < n; ++r)
+      for (int q = 0; q < n; ++q) {
+        INFO("member " << r << " chunk " << q);
+        CHECK(BitDiff(std::vector<float>(out[r].begin() + q * m, out[r].begin() + (q + 1) * m), data[q]) == "");
+      }
+    for (int r = 0; r < n; ++r) CHECK(out[r].back() == -7.0f);
+  }
+  SECTION("one output shared by all") {
+    std::vector<float> shared(n * m + 1, -7.0f);
+    for (int r = 0; r < n; ++r) std::copy(data[r].begin(), data[r].end(), shared.begin() + r * m);
+    InProcessCollectives c(n);
+    RunReplicas(n, &c, [&](int r) { c.AllGather(r, Iota(0, n), shared.data() + r * m, shared.data(), m); });
+    for (int q = 0; q < n; ++q)
+      CHECK(BitDiff(std::vector<float>(shared.begin() + q * m, shared.begin() + (q + 1) * m), data[q]) == "");
+    CHECK(shared.back() == -7.0f);
+  }
+  SECTION("another member's chunk of the output is still an overlap") {
+    InProcessCollectives c(2);
+    std::vector<float> buf(4);
+    CHECK_THROWS_WITH(c.AllGather(0, {0, 1}, buf.data() + 2, buf.data(), 2), "AllGather: the input and output buffers overlap");
+  }
+}
+
 TEST_CASE("InProcessCollectives counts communication time, and with phase timing members leave together",
           "[collectives]") {
   const int n = 4;
