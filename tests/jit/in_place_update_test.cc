@@ -26,9 +26,10 @@ namespace {
 using runtime::Tensor;
 using runtime::TensorMap;
 
-std::shared_ptr<const jit::CompiledStep> Compile(const ir::Module& m) {
+std::shared_ptr<const jit::CompiledStep> Compile(const ir::Module& m, bool in_place_all_gathers = false) {
   jit::JitOptions o;
   o.disk_cache = false;
+  o.in_place_all_gathers = in_place_all_gathers;
   return jit::CompiledStep::Compile(m, o);
 }
 
@@ -236,12 +237,18 @@ struct Gathered {
   ir::ValueId w = -1, gathered = -1;
 };
 
-Gathered MakeGathered() {
+// A module of two replicas with a weight @w f32[4,3].
+Gathered TwoReplicasWithWeight(const std::string& name) {
   Gathered g;
-  g.m.name = "gathered";
+  g.m.name = name;
   g.m.num_replicas = 2;
+  g.w = ir::Builder(&g.m).Variable("w", {ir::DType::kF32, {4, 3}}, ir::kRoleWeight);
+  return g;
+}
+
+Gathered MakeGathered() {
+  Gathered g = TwoReplicasWithWeight("gathered");
   ir::Builder b(&g.m);
-  g.w = b.Variable("w", {ir::DType::kF32, {4, 3}}, ir::kRoleWeight);
   const ir::ValueId x = b.Input("x", {ir::DType::kF32, {2, 3}});
   g.m.outputs.push_back({"w_sum", b.SumAll(g.w)});  // a reader before the all-gather: does not stop it
   g.gathered = b.Emit(ir::OpCode::kAllGather, {b.AddScalar(b.MulScalar(x, 0.5), 1)}, {{"group_size", int64_t{2}}});
@@ -255,8 +262,8 @@ Gathered MakeGathered() {
 // Ramp(scale, offset(k, r)).
 void CheckTwoReplicaSteps(const ir::Module& m, std::vector<TensorMap> jit_vars, const std::string& input,
                           const ir::TensorType& input_type, float scale, const std::function<float(int, int)>& offset,
-                          const std::string& var, bool same_storage) {
-  auto step = Compile(m);
+                          const std::string& var, bool same_storage, bool in_place_all_gathers = false) {
+  auto step = Compile(m, in_place_all_gathers);
   std::vector<TensorMap> ref_vars = jit_vars, jit_out(2), ref_out(2);
   const float* storage[] = {jit_vars[0].at(var).f32.data(), jit_vars[1].at(var).f32.data()};
   std::vector<jit::Workspace> ws(2);
@@ -318,77 +325,47 @@ TEST_CASE("an all-gather's result assigned to its variable is written into it, a
 // The sharded update's form: w' = w_r * 0.5 + all_reduce(x), w_r = replica r's row of w [2, 6], and w =
 // reshape(all_gather(w')). With in-place all-gathers (JitOptions::in_place_all_gathers, in-process
 // collectives) the loop stores w' over w_r, in @w itself, and the all-gather copies the other row only.
-struct SlicedUpdate {
-  ir::Module m;
-  ir::ValueId w = -1;
-};
-
-SlicedUpdate MakeSlicedUpdate() {
-  SlicedUpdate su;
-  su.m.name = "sliced_update";
-  su.m.num_replicas = 2;
+Gathered MakeSlicedUpdate() {
+  Gathered su = TwoReplicasWithWeight("sliced_update");
   ir::Builder b(&su.m);
-  su.w = b.Variable("w", {ir::DType::kF32, {4, 3}}, ir::kRoleWeight);
-  const ir::ValueId x = b.Input("x", {ir::DType::kF32, {6}});
   const ir::ValueId own = b.Emit(ir::OpCode::kGather, {b.Reshape(su.w, {2, 6}), b.ReplicaId()});
-  const ir::ValueId updated = b.Add(b.MulScalar(own, 0.5), b.AllReduce(x, "sum", {}));
-  const ir::ValueId gathered = b.Emit(ir::OpCode::kAllGather, {updated}, {{"group_size", int64_t{2}}});
-  su.m.assigns = {{su.w, b.Reshape(gathered, {4, 3})}};
+  const ir::ValueId updated = b.Add(b.MulScalar(own, 0.5), b.AllReduce(b.Input("x", {ir::DType::kF32, {6}}), "sum", {}));
+  su.gathered = b.Emit(ir::OpCode::kAllGather, {updated}, {{"group_size", int64_t{2}}});
+  su.m.assigns = {{su.w, b.Reshape(su.gathered, {4, 3})}};
   return su;
 }
 
-// Two steps on two replicas against the interpreter, as CheckTwoReplicaSteps, compiled with in-place
-// all-gathers.
+// Two steps on two replicas against the interpreter (CheckTwoReplicaSteps), compiled with in-place
+// all-gathers; without the option nothing is stored in place.
 void CheckSlicedUpdate(const ir::Module& m, int in_place_gathers) {
-  jit::JitOptions o;
-  o.disk_cache = false;
-  o.in_place_all_gathers = true;
-  auto step = jit::CompiledStep::Compile(m, o);
-  CHECK(step->info().in_place_gathers == in_place_gathers);
-  CHECK(Compile(m)->info().in_place_gathers == 0);  // not without the option
-  const ir::TensorType t{ir::DType::kF32, {4, 3}}, xt{ir::DType::kF32, {6}};
-  std::vector<TensorMap> jit_vars(2), ref_vars, jit_out(2), ref_out(2);
-  for (int r = 0; r < 2; ++r) jit_vars[r] = {{"w", Ramp(t, 1, 3)}};
-  ref_vars = jit_vars;
-  std::vector<jit::Workspace> ws(2);
-  runtime::InProcessCollectives c(2), ref_c(2);
-  for (int k = 0; k < 3; ++k) {
-    INFO("step " << k + 1);
-    std::vector<TensorMap> in(2);
-    for (int r = 0; r < 2; ++r) in[r] = {{"x", Ramp(xt, 1, static_cast<float>(10 * k + 4 * r))}};
-    runtime::RunReplicas(2, &c, [&](int r) { jit_out[r] = step->Run(jit_vars[r], in[r], r, &c, &ws[r]); });
-    runtime::RunReplicas(2, &ref_c, [&](int r) { ref_out[r] = runtime::RunStep(m, ref_vars[r], in[r], r, &ref_c); });
-    for (int r = 0; r < 2; ++r) {
-      INFO("replica " << r);
-      CHECK(jit_out[r] == ref_out[r]);
-      CHECK(jit_vars[r] == ref_vars[r]);
-    }
-  }
+  CHECK(Compile(m, true)->info().in_place_gathers == in_place_gathers);
+  CHECK(Compile(m)->info().in_place_gathers == 0);
+  std::vector<TensorMap> vars(2);
+  for (int r = 0; r < 2; ++r) vars[r] = {{"w", Ramp({ir::DType::kF32, {4, 3}}, 1, 3)}};
+  CheckTwoReplicaSteps(m, vars, "x", {ir::DType::kF32, {6}}, 1,
+                       [](int k, int r) { return static_cast<float>(10 * k + 4 * r); }, "w", false, true);
 }
 
 TEST_CASE("a replica's new slice of a weight is stored in its own row, and the all-gather copies the others",
           "[jit][in_place]") {
   SECTION("the sharded update's form: in place") { CheckSlicedUpdate(MakeSlicedUpdate().m, 1); }
   SECTION("a reader of @w after the loop") {
-    SlicedUpdate su = MakeSlicedUpdate();
+    Gathered su = MakeSlicedUpdate();
     ir::Builder b(&su.m);
     su.m.outputs.push_back({"late", b.SumAll(su.w)});
     CheckSlicedUpdate(su.m, 0);
   }
   SECTION("another replica's row") {
-    SlicedUpdate su = MakeSlicedUpdate();
+    Gathered su = MakeSlicedUpdate();
     for (ir::Instr& in : su.m.instrs)
       if (in.op == ir::OpCode::kReplicaId) in = ir::Instr{ir::OpCode::kConstant, {}, {ir::DType::kS32, {}}, {{"value", 1.0}}};
     CheckSlicedUpdate(su.m, 0);
   }
   SECTION("an instruction that can fail after the loop") {
-    SlicedUpdate su = MakeSlicedUpdate();
+    Gathered su = MakeSlicedUpdate();
     ir::Builder b(&su.m);
     su.m.outputs.push_back({"q", b.Emit(ir::OpCode::kDiv, {b.Input("n", {ir::DType::kS32, {}}), b.Input("d", {ir::DType::kS32, {}})})});
-    jit::JitOptions o;
-    o.disk_cache = false;
-    o.in_place_all_gathers = true;
-    CHECK(jit::CompiledStep::Compile(su.m, o)->info().in_place_gathers == 0);
+    CHECK(Compile(su.m, true)->info().in_place_gathers == 0);
   }
 }
 
