@@ -424,6 +424,9 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
               << ci.swapped_bytes / 1048576.0 << " MiB of new variable values (" << ci.in_place_updates
               << " variables updated in place by their loop, " << ci.gathered_updates << " by their all-gather; "
               << ci.reused_inputs << " loop outputs stored over a dead input)\n";
+    if (ci.bf16_weight_copies > 0)
+      std::cout << ci.bf16_weight_copies << " weights keep a bf16 copy (" << cpu->bf16_copy_bytes() / 1048576.0
+                << " MiB per replica) that the optimizer's loop writes: no loop rounds them each step\n";
     if (cpu->shared_weights() > 0)
       std::cout << "replicas share " << cpu->shared_weights() << " weights (" << cpu->shared_weight_bytes() / 1048576.0
                 << " MiB): one copy in this process instead of one per replica\n";

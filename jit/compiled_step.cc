@@ -617,6 +617,9 @@ void CompiledStep::PlanInPlaceUpdates() {
   const auto users = m_.Users();
   std::vector<int> assigned(n, 0);
   for (const auto& [var, v] : m_.assigns) ++assigned[var];
+  std::vector<int> leaf_at(n, -1);  // per variable: where its leaf binds its storage, or -1
+  for (int p = 0; p < end; ++p)
+    if (schedule_[p].kernel < 0 && m_.at(schedule_[p].value).op == OpCode::kVariable) leaf_at[schedule_[p].value] = p;
   // Per position: the last all-reduce, reduce-scatter or all-gather over every replica before it (-1: none).
   // Its completion means every replica ran everything before it without failing; if nothing after it can
   // fail on any replica (may_fail_after_rendezvous), a loop after it may update in place although
@@ -658,11 +661,18 @@ void CompiledStep::PlanInPlaceUpdates() {
         if (kernel_of[w] == kk && m_.at(w).op == OpCode::kBroadcast) direct = false;
       if (!direct) count = 2;
     }
-    if (count != 1) continue;
+    // A loop that does not read the variable (a weight's bf16 copy, written by the weight's update:
+    // Bf16WeightCopies) stores through it as an input of its own, read by no member, so loaded never.
+    const bool unread = count == 0 && leaf_at[var] >= 0 && leaf_at[var] < at_kernel[kk];
+    if (count != 1 && !unread) continue;
     bool later = false;
     for (int p : readers[var]) later |= p > at_kernel[kk];
     for (int p : readers[var]) later |= p == at_kernel[kk] && !(schedule_[p].kernel == kk);
     if (later) continue;
+    if (unread) {
+      into = static_cast<int>(k.inputs.size());
+      k.inputs.push_back(var);
+    }
     const auto out = std::find(k.outputs.begin(), k.outputs.end(), v);
     k.store_into[out - k.outputs.begin()] = into;
     in_place_[v] = 1;
@@ -1656,6 +1666,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   RoundInProducers(m);
   RoundInTransposes(m);
   ReadBf16OperandsInPlace(m);
+  auto bf16_copies = options.bf16_weight_copies ? Bf16WeightCopies(m) : std::vector<std::pair<std::string, std::string>>{};
   AttentionHeadsInPlace(m);
   MaskMaxPoolGradsByRelu(m);
   if (options.channels_last) ConvolutionsChannelsLast(m);
@@ -1689,6 +1700,8 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   }
   auto step = std::shared_ptr<CompiledStep>(new CompiledStep());
   step->m_ = std::move(m);
+  step->bf16_copies_ = std::move(bf16_copies);
+  step->info_.bf16_weight_copies = static_cast<int>(step->bf16_copies_.size());
   step->reuse_inputs_ = reuse;
   step->in_place_all_gathers_ = options.in_place_all_gathers;
   step->Plan(fuse);

@@ -43,6 +43,7 @@ struct CompileInfo {
   int reused_inputs = 0;       // loop outputs stored over a temporary the loop reads last (PlanReusedInputs)
   int attention_parts = 0;     // bf16 roundings and bias sums attention_grad writes itself (PlanAttentionGradParts)
   int attention_stats = 0;     // attention_grads reusing their forward's softmax statistics (PlanAttentionStats)
+  int bf16_weight_copies = 0;  // weights whose bf16 rounding the update's loop writes (JitOptions::bf16_weight_copies)
   bool rejected_corrupt = false;  // a corrupt disk-cache entry was found, deleted and recompiled
   // Buffer plan, per replica: the arena's size vs one buffer per arena value (the saving), and the
   // values kept as their own tensors because they are swapped into variables at the end of a step.
@@ -144,6 +145,11 @@ class CompiledStep {
   // to one tensor shared by all: every replica reads it before the all-gather and then each writes
   // only its own part (runtime::InProcessCollectives::AllGatherParts with one output for all).
   std::vector<int> GatheredVariableSlots(int num_replicas) const;
+  // The weights' bf16 copies the step reads and assigns (JitOptions::bf16_weight_copies), as (copy's
+  // name, weight's name): variables of the step that are not in the logical state. Whoever runs the
+  // step puts convert(weight, bf16) under the copy's name before a step (after any change to the weight
+  // made outside the step, and after a step that threw); the step keeps it so.
+  const std::vector<std::pair<std::string, std::string>>& bf16_weight_copies() const { return bf16_copies_; }
   // Point `b`'s slots at the maps' tensors; a missing name is an error naming it. BindOutputs gives
   // `outputs` a tensor of the right type for each output (keeping one already there) and binds it.
   // Sizes the vectors once: binding again with the same step allocates nothing.
@@ -241,6 +247,7 @@ class CompiledStep {
   int64_t staging_bytes_ = 0;
   // Per value: its variable or input slot, or -1 (PlanLeafSlots); per assignment, its variable's slot.
   std::vector<std::string> variable_names_, input_names_;
+  std::vector<std::pair<std::string, std::string>> bf16_copies_;  // (copy, weight): Bf16WeightCopies
   std::vector<ir::ValueId> variable_leaf_, input_leaf_;  // per slot: its first instruction
   std::vector<int> leaf_slot_;
   std::vector<int> assign_slot_;

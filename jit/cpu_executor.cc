@@ -2,6 +2,7 @@
 // own workspace and reads its chunk of the global batch in place.
 #include "jit/cpu_executor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -13,12 +14,16 @@ namespace shardstep::jit {
 using runtime::TensorMap;
 
 struct CpuExecutor::State {
-  explicit State(int n) : workspaces(n), bindings(n), bound_generation(n, ~uint64_t{0}), bound_outputs(n, nullptr) {}
+  explicit State(int n)
+      : workspaces(n), bindings(n), bound_generation(n, ~uint64_t{0}), copies_made(n, 0), bound_outputs(n, nullptr) {}
   std::vector<Workspace> workspaces;  // one per replica
   // Per replica: the slots of its state, its outputs and the global batch (the batch bound once per
   // step by BeginStep into `inputs`, then copied into each binding: pointers, no lookups).
   std::vector<StepBinding> bindings;
   std::vector<uint64_t> bound_generation;  // the state_generation() each replica's variables were bound at
+  // Per replica: its weights' bf16 copies (CompiledStep::bf16_weight_copies) hold the rounded weights,
+  // made at binding and kept so by every step that finishes.
+  std::vector<char> copies_made;
   std::vector<const TensorMap*> bound_outputs;  // the map each replica's outputs are bound into, or null
   StepBinding inputs;
   std::mutex forward_mu;
@@ -47,6 +52,12 @@ CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const C
   // all-gather's output has it).
   JitOptions jit = options.jit;
   jit.in_place_all_gathers = dynamic_cast<runtime::InProcessCollectives*>(&collectives()) != nullptr;
+  // This executor makes the weights' bf16 copies from its replicas' state (BindingFor).
+  static const bool copies_env = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_BF16_COPIES");
+    return !(e && std::string(e) == "0");
+  }();
+  jit.bf16_weight_copies = options.bf16_weight_copies && copies_env;
   step_ = CompiledStep::Compile(step, jit);
   static const bool share_env = [] {
     const char* e = std::getenv("SHARDSTEP_JIT_SHARE_WEIGHTS");
@@ -73,11 +84,22 @@ int64_t CpuExecutor::shared_weight_bytes() const {
   return bytes;
 }
 
+int64_t CpuExecutor::bf16_copy_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [copy, weight] : step_->bf16_weight_copies())
+    bytes += step_->module().type(step_->module().FindVariable(copy)).bytes();
+  return bytes;
+}
+
 void CpuExecutor::BeginStep(const TensorMap& global_inputs) { step_->BindInputs(global_inputs, &s_->inputs); }
 
 StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
   StepBinding& b = s_->bindings[r];
+  const auto& copies = step_->bf16_weight_copies();
   if (s_->bound_generation[r] != state_generation()) {
+    for (const auto& [copy, weight] : copies)  // bound here, made below from the weight the step reads
+      state[copy] = runtime::Tensor(step_->module().type(step_->module().FindVariable(copy)));
+    s_->copies_made[r] = 0;
     step_->BindVariables(state, &b);
     // Replica 0's tensor for the shared weights (its map is only read here, by every replica at once);
     // the replica's own copy is released (the logical state reads replica 0's; a reload makes new maps).
@@ -88,6 +110,16 @@ StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
         state.at(name) = runtime::Tensor();
       }
     s_->bound_generation[r] = state_generation();
+  }
+  if (!s_->copies_made[r]) {
+    for (const auto& [copy, weight] : copies) {
+      const std::vector<std::string>& names = step_->variable_names();
+      const auto slot = [&](const std::string& name) { return std::find(names.begin(), names.end(), name) - names.begin(); };
+      const std::vector<float>& w = b.variables[slot(weight)]->f32;
+      std::vector<uint16_t>& h = b.variables[slot(copy)]->bf16;
+      for (size_t i = 0; i < w.size(); ++i) h[i] = runtime::F32ToBf16(w[i]);
+    }
+    s_->copies_made[r] = 1;
   }
   b.inputs = s_->inputs.inputs;  // the same size every step: no allocation
   return b;
@@ -100,7 +132,7 @@ TensorMap CpuExecutor::RunReplica(int r, const TensorMap& global_inputs, TensorM
   TensorMap outputs;
   s_->bound_outputs[r] = nullptr;  // a local map: bound for this step only
   step_->BindOutputs(&outputs, &b);
-  step_->Run(b, r, c, &s_->workspaces[r], num_replicas());
+  RunBound(r, b, c);
   return outputs;
 }
 
@@ -113,7 +145,16 @@ void CpuExecutor::RunReplicaInto(int r, const TensorMap& global_inputs, TensorMa
     step_->BindOutputs(outputs, &b);
     s_->bound_outputs[r] = outputs;
   }
+  RunBound(r, b, c);
+}
+
+void CpuExecutor::RunBound(int r, const StepBinding& b, runtime::Collectives* c) {
+  // The copies are made again after a step that throws. (A loop updates a weight and its copy in place
+  // only when nothing after it can fail, and a swapped-in value is swapped in at the end with the others,
+  // so a failed step should leave both as they were; this does not rely on it.)
+  s_->copies_made[r] = 0;
   step_->Run(b, r, c, &s_->workspaces[r], num_replicas());
+  s_->copies_made[r] = 1;
 }
 
 TensorMap CpuExecutor::Forward(const ir::Module& forward, const TensorMap& inputs) {

@@ -23,6 +23,11 @@ struct CpuExecutorOptions {
   // row block of every replica's product (CompiledStep::PlanProductParts). Same bits either way.
   // SHARDSTEP_JIT_FOLD_PRODUCTS=0 in the environment turns it off (runtime::InProcessCollectives).
   bool fold_products = true;
+  // The optimizer's loop writes each weight's bf16 rounding for the next step's products into a copy
+  // this executor keeps per replica (JitOptions::bf16_weight_copies), instead of a loop rounding the
+  // weight every step. Same bits either way (tests compare). SHARDSTEP_JIT_BF16_COPIES=0 in the
+  // environment turns it off (to compare).
+  bool bf16_weight_copies = true;
 };
 
 class CpuExecutor : public runtime::ReplicatedExecutor {
@@ -42,6 +47,8 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   // executor's collectives fold products (in-process replicas), else 0.
   int folded_products();
   int64_t shared_weight_bytes() const;
+  // The weights' bf16 copies each replica keeps (CpuExecutorOptions::bf16_weight_copies): their bytes.
+  int64_t bf16_copy_bytes() const;
 
  protected:
   runtime::TensorMap RunReplica(int r, const runtime::TensorMap& global_inputs, runtime::TensorMap& state,
@@ -56,6 +63,7 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   struct State;
   // Replica r's binding: its variables bound again only after LoadLogicalState, the inputs per step.
   jit::StepBinding& BindingFor(int r, runtime::TensorMap& state);
+  void RunBound(int r, const jit::StepBinding& b, runtime::Collectives* c);
   std::unique_ptr<State> s_;
   std::vector<int> shared_slots_;  // variable slots bound to replica 0's tensor on every replica
   std::shared_ptr<const CompiledStep> step_;

@@ -37,6 +37,11 @@ struct JitOptions {
   // weight straight into the weight (CompiledStep::PlanInPlaceUpdates), not into a buffer the all-gather
   // copies from. In the cache keys. jit::CpuExecutor sets it for in-process replicas.
   bool in_place_all_gathers = false;
+  // The weights' bf16 roundings are written by the optimizer's loop into bf16 copies kept from step to
+  // step (jit/step_rewrites.h Bf16WeightCopies), which the caller makes from the weights and binds as
+  // variables (CompiledStep::bf16_weight_copies). The module text, and so the cache keys, show it.
+  // jit::CpuExecutor sets it.
+  bool bf16_weight_copies = false;
 };
 
 // Where cached objects live for `options` (resolves the default).

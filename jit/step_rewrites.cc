@@ -56,6 +56,48 @@ void ReadBf16OperandsInPlace(ir::Module& m) {
   // A widening convert read by nothing else is dropped: the step would still run its loop.
   if (changed) m.Canonicalize();
 }
+std::vector<std::pair<std::string, std::string>> Bf16WeightCopies(ir::Module& m) {
+  std::map<std::string, ValueId> assigned;  // variable name -> its new value
+  for (const auto& [var, v] : m.assigns) assigned[m.at(var).name] = v;
+  std::map<std::string, ValueId> copy_of;  // weight name -> its copy's variable
+  std::vector<std::pair<std::string, std::string>> copies;
+  const int n = m.size();
+  std::vector<ValueId> place(n);  // the copy where the weight's rounding was, its next value after u
+  for (ValueId v = 0; v < n; ++v) place[v] = v;
+  for (ValueId c = 0; c < n; ++c) {
+    const ir::Instr round = m.at(c);  // copies: Append may move the instructions
+    if (round.op != OpCode::kConvert || round.type.dtype != DType::kBF16) continue;
+    const ir::Instr w = m.at(round.operands[0]);
+    if (w.op != OpCode::kVariable || w.type.dtype != DType::kF32) continue;
+    auto a = assigned.find(w.name);
+    if (a == assigned.end()) continue;
+    const ValueId u = a->second;
+    if (!ir::HasProperty(m.at(u).op, ir::kElementwise) || m.type(u) != w.type) continue;
+    auto it = copy_of.find(w.name);
+    if (it == copy_of.end()) {
+      const std::string name = w.name + kBf16CopySuffix;
+      if (m.FindVariable(name) != ir::kNoValue) continue;  // taken (never by a model's own names)
+      ir::Instr var;
+      var.op = OpCode::kVariable;
+      var.name = name;
+      var.type = round.type;
+      var.attrs["role"] = std::string("bf16_copy");
+      const ValueId copy = m.Append(var);
+      place.push_back(c);
+      ir::Instr next = round;  // the next step's copy, from the update
+      next.operands = {u};
+      next.attrs.erase(ir::kFusionAttr);
+      m.assigns.emplace_back(copy, m.Append(next));
+      place.push_back(u);
+      copies.emplace_back(name, w.name);
+      it = copy_of.emplace(w.name, copy).first;
+    }
+    m.ReplaceAllUses(c, it->second);
+  }
+  if (!copies.empty()) m.Canonicalize(place);  // the old roundings are dead
+  return copies;
+}
+
 // The mixed-precision pass rounds a matmul operand after the reshape that gives it the matmul's shape,
 // convert(reshape(x), bf16). Rounding is elementwise and a reshape keeps the element order, so the JIT
 // rounds first, reshape(convert(x, bf16)): the rounding then joins the loop that computes x (one pass

@@ -1,11 +1,16 @@
 // The JIT's own rewrites of a step module before it is planned (CompiledStep::Compile), in this order:
-// RoundBeforeReshapes, RoundInProducers, RoundInTransposes, ReadBf16OperandsInPlace, AttentionHeadsInPlace,
+// RoundBeforeReshapes, RoundInProducers, RoundInTransposes, ReadBf16OperandsInPlace, (Bf16WeightCopies,
+// with JitOptions::bf16_weight_copies), AttentionHeadsInPlace,
 // MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
 // jit/channels_last.h), ReluMasksFromInputs, RecomputeCheapValues, CopyBroadcastsPerReader, then (after the
 // elementwise fuser, whose groups it reads) SinkCheapLoopOutputs. Each keeps every value's bits;
 // they change where values are computed and what reaches memory. Some leave forms only the JIT reads
 // (attributes below); `SHARDSTEP_JIT_DUMP=FILE` shows the module after them.
 #pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "ir/module.h"
 
@@ -53,6 +58,19 @@ void ReadBf16OperandsInPlace(ir::Module& m);
 // op writes [3, B, T, H, D] (kHeadsOutAttr), the slices and reshapes follow, the transposes go. The same
 // bits: only where elements are stored moves.
 void AttentionHeadsInPlace(ir::Module& m);
+// The name of a weight's bf16 copy (Bf16WeightCopies): the weight's name and this suffix.
+inline constexpr const char* kBf16CopySuffix = "#bf16";
+// The weights' rounding moves into the optimizer's loop: convert(@w, bf16), with @w an f32 variable the
+// step assigns from an elementwise value u (the update), reads a bf16 variable @w#bf16 instead, which
+// the step assigns convert(u, bf16). The update's loop then writes the next step's rounded weight as it
+// writes the weight (2 bytes an element more), and the loop that read each weight back to round it
+// goes (the bf16 MLP: loops over 0.8M and 1M weights every step). The values a step computes are the
+// same bits, provided @w#bf16 holds convert(@w, bf16) when the step starts: the copies are state their
+// owner makes from the weights (jit::CpuExecutor: at each load of the state, and again after a step
+// that did not finish), never part of the logical state or a checkpoint. A weight assigned from a
+// collective (the sharded update's all-gather) keeps its rounding loop. Returns the copies as
+// (copy's name, weight's name), in module order.
+std::vector<std::pair<std::string, std::string>> Bf16WeightCopies(ir::Module& m);
 void MaskMaxPoolGradsByRelu(ir::Module& m);
 // Returns the number of masks rewritten.
 int ReluMasksFromInputs(ir::Module& m);
