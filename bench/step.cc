@@ -952,7 +952,6 @@ int PrecisionCompare(int rounds) {
           s->TrainStep(pp.batch);
           v->push_back(Seconds(t0, Clock::now()) * 1e3);
         }
-        if (getenv("BENCH_DEBUG")) { for (int i = 0; i < k; ++i) std::cerr << (*v)[v->size() - k + i] << " "; std::cerr << (p ? "bf16\n" : "f32\n"); }
         cpu[p] += CpuSeconds() - c0;
         wall[p] += Seconds(w0, Clock::now());
       }
