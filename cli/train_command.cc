@@ -422,7 +422,9 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
               << "jit buffer plan per replica: " << std::fixed << std::setprecision(3) << ci.arena_bytes / 1048576.0
               << " MiB arena for " << ci.buffer_bytes / 1048576.0 << " MiB of temporaries, plus "
               << ci.swapped_bytes / 1048576.0 << " MiB of new variable values (" << ci.in_place_updates
-              << " variables updated in place by their loop, " << ci.gathered_updates << " by their all-gather; "
+              << " variables updated in place by their loop, " << ci.gathered_updates << " by their all-gather"
+              << (ci.in_place_gathers > 0 ? Str(" (", ci.in_place_gathers, " of them with the replica's own slice stored there by its loop)") : "")
+              << "; "
               << ci.reused_inputs << " loop outputs stored over a dead input)\n";
     if (ci.bf16_weight_copies > 0)
       std::cout << ci.bf16_weight_copies << " weights keep a bf16 copy (" << cpu->bf16_copy_bytes() / 1048576.0

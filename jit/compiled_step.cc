@@ -548,11 +548,13 @@ void CompiledStep::PlanViews() {
 // swapped in at the end. A memory-bound update (Adam: 4 arrays read, 3 written) then streams 4 arrays
 // instead of 7 (a C++ loop of the same update on this machine: 28 -> 55 GB/s out of place -> in place).
 // Only where the end of the step cannot tell the difference:
-//  - the value is assigned once, not an output, and read by nothing but its own loop's members, and the
-//    loop has no fused reductions (RunFusedReductions passes its own buffers);
+//  - the value is assigned once, not an output, and read by nothing but its own loop's members and fused
+//    sums (which read the new value after the loop wrote it: the same bits);
 //  - the loop reads the variable as one input of its own shape (through reshapes at most), never through a
 //    broadcast's index map, and nothing else reads the variable's storage (its reshapes, views, other
-//    assignments, outputs) after the loop starts;
+//    assignments, outputs, a fused sum of the input) after the loop starts; or the loop does not read the
+//    variable at all (a weight's bf16 copy, written by the weight's update: jit/step_rewrites.h
+//    Bf16WeightCopies) and everything that reads it runs before the loop;
 //  - nothing scheduled after the loop can fail on the data (a collective, or an instruction outside the
 //    fused loops, matmuls and copies), so a step that throws still leaves every variable as it was; or the
 //    loop runs after a rendezvous of every replica (an all-reduce, reduce-scatter or all-gather over all)
@@ -644,11 +646,12 @@ void CompiledStep::PlanInPlaceUpdates() {
   };
   for (const auto& [var, v] : m_.assigns) {
     const int kk = kernel_of[v];
-    if (!swappable_[v] || kk < 0 || reduce_group_of_kernel_[kk] >= 0 || assigned[var] != 1 || in_place_[v]) continue;
+    if (!swappable_[v] || kk < 0 || assigned[var] != 1 || in_place_[v]) continue;
     if (!nothing_fails_after(at_kernel[kk]) || read_at_end[var]) continue;
     FusedKernel& k = kernels_[kk];
-    bool only_here = true;
-    for (ValueId u : users[v]) only_here &= kernel_of[u] == kk;
+    bool only_here = true;  // read by its loop's members and fused sums only (the sums read the new value)
+    for (ValueId u : users[v])
+      only_here &= kernel_of[u] == kk || (reduce_group_of_value_[u] >= 0 && reduce_groups_[reduce_group_of_value_[u]].kernel == kk);
     if (!only_here || !(m_.type(v) == m_.at(var).type) || m_.type(v).shape != k.shape) continue;
     int into = -1, count = 0;
     for (size_t j = 0; j < k.inputs.size(); ++j) {
@@ -665,6 +668,12 @@ void CompiledStep::PlanInPlaceUpdates() {
     // Bf16WeightCopies) stores through it as an input of its own, read by no member, so loaded never.
     const bool unread = count == 0 && leaf_at[var] >= 0 && leaf_at[var] < at_kernel[kk];
     if (count != 1 && !unread) continue;
+    // A loop with fused sums (RunFusedReductions) may store over the variable unless a sum reads the
+    // variable itself after the loop ran (the sums of an input are taken from memory after the loop).
+    if (const int g = reduce_group_of_kernel_[kk]; g >= 0 && count == 1) {
+      const std::vector<int>& operand = reduce_groups_[g].operand;
+      if (std::find(operand.begin(), operand.end(), -1 - into) != operand.end()) continue;
+    }
     bool later = false;
     for (int p : readers[var]) later |= p > at_kernel[kk];
     for (int p : readers[var]) later |= p == at_kernel[kk] && !(schedule_[p].kernel == kk);
@@ -1785,6 +1794,15 @@ void CompiledStep::Allocate(Workspace* ws) const {
 
 // A kernel and its reductions (FuseReductions): each call of the producer computes elements
 // [e0, e1) of the kernel, into memory or (windowed outputs) into this thread's windows.
+namespace {
+// Where a loop writes output j: over the input it is stored into (a variable updated in place has no
+// storage of its own), else its own.
+void* OutputStorage(const FusedKernel& k, size_t j, const Workspace* ws) {
+  const int into = j < k.store_into.size() ? k.store_into[j] : -1;
+  return ws->ptr[into >= 0 ? k.inputs[into] : k.outputs[j]];
+}
+}  // namespace
+
 void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
   const ReduceGroup& g = reduce_groups_[group];
   const FusedKernel& k = kernels_[g.kernel];
@@ -1802,7 +1820,7 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
       // (integer arithmetic; only elements [e0, e1) are written, all inside the window).
       bufs[nin + j] = g.windowed[j] ? reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(windows + g.window_of[j] * g.window) -
                                                               static_cast<uintptr_t>(e0) * sizeof(float))
-                                    : ws->ptr[k.outputs[j]];
+                                    : OutputStorage(k, j, ws);
     }
     fn(bufs, e0, e1);
     const float** operands = ws->fused_operands.data() + slot * kMaxFusedReductions;
@@ -1810,7 +1828,7 @@ void CompiledStep::RunFusedReductions(int group, Workspace* ws) const {
       const int j = g.operand[r];
       operands[r] = j < 0             ? static_cast<const float*>(bufs[-1 - j]) + e0  // an input, just read
                     : g.windowed[j] ? windows + g.window_of[j] * g.window
-                                    : static_cast<const float*>(ws->ptr[k.outputs[j]]) + e0;
+                                    : static_cast<const float*>(OutputStorage(k, j, ws)) + e0;
     }
     return operands;
   };

@@ -5,7 +5,8 @@
 // when an instruction that can fail runs after the loop, nothing is updated in place, so a failed step
 // leaves every variable as it was (a collective after the loop does not stop it when a rendezvous of every
 // replica comes before the loop and nothing after that can fail; nor does a gather of the replica's own
-// row, which cannot fail). The same mechanism stores a loop's output over a temporary the loop
+// row, which cannot fail); a loop with fused sums of its outputs updates in place too. The same mechanism
+// stores a loop's output over a temporary the loop
 // reads last (PlanReusedInputs), and an all-gather's result into the variable it is assigned to (the
 // sharded weight update's), both checked at the end.
 #include <catch2/catch.hpp>
@@ -139,6 +140,24 @@ TEST_CASE("a variable read after its update's loop keeps a buffer of its own", "
     ir::Builder b(&h.m);
     h.m.outputs.push_back({"t", b.Transpose(b.Reshape(h.w, {3, 4}), {1, 0})});
     CheckAgainstInterpreter(h.m, 0);
+  }
+}
+
+TEST_CASE("a loop with fused sums updates in place unless a sum reads the variable after the loop", "[jit][in_place]") {
+  SECTION("a sum of the new value, in its loop (the sum reads the loop's output)") {
+    Halving h = MakeHalving();
+    ir::Builder b(&h.m);
+    h.m.outputs.push_back({"sum", b.SumAll(h.m.assigns[0].second)});
+    CHECK(Compile(h.m)->info().fused_reductions == 1);
+    CheckAgainstInterpreter(h.m, 1);
+  }
+  SECTION("and a sum of the variable itself: never fused into the loop that updates it, run before it") {
+    Halving h = MakeHalving();
+    ir::Builder b(&h.m);
+    h.m.outputs.push_back({"old_sum", b.SumAll(h.w)});
+    h.m.outputs.push_back({"sum", b.SumAll(h.m.assigns[0].second)});
+    CHECK(Compile(h.m)->info().fused_reductions == 1);
+    CheckAgainstInterpreter(h.m, 1);
   }
 }
 
