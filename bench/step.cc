@@ -955,10 +955,18 @@ int PrecisionCompare(int rounds) {
         cpu[p] += CpuSeconds() - c0;
         wall[p] += Seconds(w0, Clock::now());
       }
+    // Each round's own ratio (its bf16 block's median over its f32 block's): the machine's noise moves
+    // both precisions' times between rounds, and this shows by how much the ratio moved with it.
+    std::vector<double> per_round;
+    for (int r = 0; r < rounds; ++r)
+      per_round.push_back(Median(std::vector<double>(h.begin() + r * k, h.begin() + (r + 1) * k)) /
+                          Median(std::vector<double>(f.begin() + r * k, f.begin() + (r + 1) * k)));
     std::cout << std::fixed << std::setprecision(2) << "  " << name << ": f32 " << Median(f) << " ms, bf16 "
               << Median(h) << " ms, ratio " << std::setprecision(3) << Median(h) / Median(f)
               << " (target <= 0.65); cpu/wall f32 " << std::setprecision(2) << cpu[0] / wall[0] << ", bf16 "
-              << cpu[1] / wall[1] << "\n";
+              << cpu[1] / wall[1] << "; per round " << std::setprecision(3)
+              << *std::min_element(per_round.begin(), per_round.end()) << "-"
+              << *std::max_element(per_round.begin(), per_round.end()) << "\n";
   }
   GemmCompare();
   return 0;
