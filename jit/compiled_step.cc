@@ -2157,6 +2157,19 @@ void CompiledStep::Run(TensorMap& variables, const TensorMap& inputs, int replic
   Run(b, replica, c, ws, batch_parts);
 }
 
+void CompiledStep::MakeBf16WeightCopies(TensorMap& state) const {
+  for (const auto& [copy, weight] : bf16_copies_) {
+    const ir::TensorType& type = m_.type(m_.FindVariable(copy));
+    auto w = state.find(weight);
+    SS_CHECK(w != state.end() && w->second.type.dtype == DType::kF32 && w->second.type.shape == type.shape,
+             "the bf16 copy of @", weight, " needs the weight, f32", ir::ShapeToString(type.shape));
+    Tensor& t = state[copy];
+    if (!(t.type == type)) t = Tensor(type);
+    const std::vector<float>& x = w->second.f32;
+    for (size_t i = 0; i < x.size(); ++i) t.bf16[i] = runtime::F32ToBf16(x[i]);
+  }
+}
+
 void CompiledStep::BindVariables(TensorMap& variables, StepBinding* b) const {
   BindSlots(variables, variable_names_, "variable", [&](size_t i) -> const ir::TensorType& { return m_.type(variable_leaf_[i]); },
             &b->variables);

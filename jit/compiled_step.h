@@ -150,6 +150,9 @@ class CompiledStep {
   // step puts convert(weight, bf16) under the copy's name before a step (after any change to the weight
   // made outside the step, and after a step that threw); the step keeps it so.
   const std::vector<std::pair<std::string, std::string>>& bf16_weight_copies() const { return bf16_copies_; }
+  // Puts each copy, convert(weight, bf16), into `state` beside its weight: a new entry (before binding
+  // `state`), or the bound one rewritten in place (no allocation).
+  void MakeBf16WeightCopies(runtime::TensorMap& state) const;
   // Point `b`'s slots at the maps' tensors; a missing name is an error naming it. BindOutputs gives
   // `outputs` a tensor of the right type for each output (keeping one already there) and binds it.
   // Sizes the vectors once: binding again with the same step allocates nothing.

@@ -2,7 +2,6 @@
 // own workspace and reads its chunk of the global batch in place.
 #include "jit/cpu_executor.h"
 
-#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -95,11 +94,9 @@ void CpuExecutor::BeginStep(const TensorMap& global_inputs) { step_->BindInputs(
 
 StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
   StepBinding& b = s_->bindings[r];
-  const auto& copies = step_->bf16_weight_copies();
   if (s_->bound_generation[r] != state_generation()) {
-    for (const auto& [copy, weight] : copies)  // bound here, made below from the weight the step reads
-      state[copy] = runtime::Tensor(step_->module().type(step_->module().FindVariable(copy)));
-    s_->copies_made[r] = 0;
+    step_->MakeBf16WeightCopies(state);  // before binding: new entries of the (new) map
+    s_->copies_made[r] = 1;
     step_->BindVariables(state, &b);
     // Replica 0's tensor for the shared weights (its map is only read here, by every replica at once);
     // the replica's own copy is released (the logical state reads replica 0's; a reload makes new maps).
@@ -111,14 +108,8 @@ StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
       }
     s_->bound_generation[r] = state_generation();
   }
-  if (!s_->copies_made[r]) {
-    for (const auto& [copy, weight] : copies) {
-      const std::vector<std::string>& names = step_->variable_names();
-      const auto slot = [&](const std::string& name) { return std::find(names.begin(), names.end(), name) - names.begin(); };
-      const std::vector<float>& w = b.variables[slot(weight)]->f32;
-      std::vector<uint16_t>& h = b.variables[slot(copy)]->bf16;
-      for (size_t i = 0; i < w.size(); ++i) h[i] = runtime::F32ToBf16(w[i]);
-    }
+  if (!s_->copies_made[r]) {  // after a step that threw: in place, into the bound tensors
+    step_->MakeBf16WeightCopies(state);
     s_->copies_made[r] = 1;
   }
   b.inputs = s_->inputs.inputs;  // the same size every step: no allocation

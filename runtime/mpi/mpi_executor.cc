@@ -20,7 +20,9 @@ MpiExecutor::MpiExecutor(const ir::Module& step, const TensorMap& logical_state,
   if (step.num_replicas != n_)
     throw Error(Str("the step is lowered for ", step.num_replicas, " replicas but ", c.ranks(), " ranks x ", per_rank_,
                     " replicas per process (--replicas-per-process) make ", n_));
-  compiled_ = jit::CompiledStep::Compile(step);
+  jit::JitOptions options;
+  options.bf16_weight_copies = true;  // made per local replica from its state (LoadLogicalState)
+  compiled_ = jit::CompiledStep::Compile(step, options);
   LoadLogicalState(logical_state);
   if (per_rank_ > 1) pool_ = std::make_unique<ReplicaPool>(per_rank_);
 }
@@ -32,6 +34,9 @@ TensorMap MpiExecutor::Step(const TensorMap& global_inputs) {
   ++steps_;
   std::vector<TensorMap> outs(per_rank_);
   std::vector<std::vector<float>> losses(per_rank_, std::vector<float>(n_));
+  if (!copies_made_)  // after a step that threw: the weights' bf16 copies made again, in place
+    for (TensorMap& state : states_) compiled_->MakeBf16WeightCopies(state);
+  copies_made_ = false;
   compiled_->BindInputs(global_inputs, &bindings_[0]);
   for (int t = 1; t < per_rank_; ++t) bindings_[t].inputs = bindings_[0].inputs;
   ReplicaGroup all(n_);
@@ -47,6 +52,7 @@ TensorMap MpiExecutor::Step(const TensorMap& global_inputs) {
   };
   if (pool_) pool_->Run(&c_, body);
   else body(0);
+  copies_made_ = true;
   TensorMap out = std::move(outs[0]);
   if (out.count("loss")) {  // averaged over every replica in replica order, as ReplicatedExecutor::Step
     double sum = 0;
@@ -66,6 +72,7 @@ TensorMap MpiExecutor::LogicalState() const {
     std::vector<float> gathered;
     // In name order (a std::map): every replica walks the variables in the same order.
     for (const auto& [name, v] : states_[t]) {
+      if (step_.FindVariable(name) == ir::kNoValue) continue;  // a weight's bf16 copy: not state
       if (v.dtype() != ir::DType::kF32) {  // s32 variables (the step counter) are never sharded
         if (t == 0)
           for (auto& s : replicas) s[name] = v;
@@ -92,8 +99,10 @@ void MpiExecutor::LoadLogicalState(const TensorMap& state) {
   logical_.reset();
   for (int t = 0; t < per_rank_; ++t) {
     states_[t] = ReplicaState(step_, state, first_ + t);
+    compiled_->MakeBf16WeightCopies(states_[t]);  // (jit::CompiledStep::bf16_weight_copies)
     compiled_->BindVariables(states_[t], &bindings_[t]);
   }
+  copies_made_ = true;
 }
 
 TensorMap MpiExecutor::Forward(const ir::Module& forward, const TensorMap& inputs) {

@@ -51,6 +51,7 @@ class MpiExecutor final : public Executor {
   std::unique_ptr<jit::Workspace> forward_ws_;
   mutable std::unique_ptr<TensorMap> logical_;  // cached LogicalState, reset when the state changes
   int64_t steps_ = 0;
+  bool copies_made_ = false;  // the replicas' weight copies hold the weights' bf16 roundings (none after a throw)
 };
 
 // A 64-bit FNV-1a hash of the printed module (ir::Print): ranks compare it at start to catch mismatched

@@ -1,6 +1,6 @@
 // `mpirun -np K shardstep train` (cli/mpi_launch.h): the final checkpoint of 2 ranks equals the in-process
-// `--replicas 2` run's tensor for tensor, bit for bit, and 2 ranks x `--replicas-per-process 2` the
-// `--replicas 4` run's; progress and the checkpoint come from rank 0 alone. Bad input (a
+// `--replicas 2` run's tensor for tensor, bit for bit (f32, and bf16 with the replicated update), and 2 ranks x
+// `--replicas-per-process 2` the `--replicas 4` run's; progress and the checkpoint come from rank 0 alone. Bad input (a
 // --replicas-per-process that does not divide a rank's share of the batch, a rank count that does not
 // divide the batch, ranks whose step modules differ) is a clear error from every rank. Starts mpirun itself.
 #include <catch2/catch.hpp>
@@ -58,7 +58,10 @@ TEST_CASE("mpirun shardstep train: the checkpoint is bitwise the in-process run'
     std::string extra;
   };
   int i = 0;
-  for (const Case& c : {Case{2, 1, ""}, Case{2, 2, ""}, Case{2, 2, "--replica-groups 2x2 "}}) {
+  // bf16 with the replicated update: each replica's weights' bf16 copies, written by the update's loop
+  // (jit::CompiledStep::bf16_weight_copies), on the ranks as in process.
+  for (const Case& c : {Case{2, 1, ""}, Case{2, 2, ""}, Case{2, 2, "--replica-groups 2x2 "},
+                        Case{2, 1, "--precision bf16 --shard-weight-update off "}}) {
     const int replicas = c.ranks * c.per_process;
     const std::string ref = dir.path + "/ref" + std::to_string(i) + ".safetensors";
     const std::string mpi = dir.path + "/mpi" + std::to_string(i++) + ".safetensors";
