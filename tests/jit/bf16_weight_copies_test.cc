@@ -15,6 +15,7 @@
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
 #include "runtime/sharding.h"
+#include "tests/jit/small_programs.h"
 
 using namespace shardstep;
 using namespace shardstep::runtime;
@@ -24,21 +25,18 @@ namespace {
 constexpr int64_t kBatch = 16;
 
 dsl::Program Build(bool cnn, int replicas, bool shard) {
-  dsl::Model m(cnn ? "cnn" : "mlp", /*seed=*/3);
-  models::ModelOptions mo;
-  mo.batch = kBatch;
-  mo.hidden = {32, 24};
-  mo.classes = 10;
-  dsl::Tensor loss = cnn ? models::DefineCnn(m, mo) : models::DefineMlp(m, mo);
-  return m.train(loss).optimizer(dsl::Adam().lr(3e-3)).precision("bf16").replicas(replicas).shard_weight_update(shard).build();
+  test::SmallProgram s;
+  s.cnn = cnn;
+  s.batch = kBatch;
+  s.hidden = {32, 24};
+  s.seed = 3;
+  s.precision = "bf16";
+  return test::Build(s, dsl::Adam().lr(3e-3), replicas, shard);
 }
 
 std::vector<TensorMap> Batches(bool cnn, int steps) {
   static const Dataset d = SyntheticClassification(320, 1, 28, 28, 10, /*seed=*/13);
-  BatchIterator it(d, kBatch, /*shuffle=*/true, /*seed=*/7, cnn ? ir::Shape{1, 28, 28} : ir::Shape{784});
-  std::vector<TensorMap> out(steps);
-  for (auto& in : out) it.Next(&in["image"], &in["label"]);
-  return out;
+  return test::Batches(d, cnn, kBatch, steps, /*order_seed=*/7);
 }
 
 std::unique_ptr<jit::CpuExecutor> MakeExecutor(const dsl::Program& p, const TensorMap& init, bool copies) {

@@ -19,6 +19,7 @@
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
 #include "runtime/sharding.h"
+#include "tests/jit/small_programs.h"
 
 using namespace shardstep;
 using namespace shardstep::runtime;
@@ -28,21 +29,15 @@ namespace {
 constexpr int64_t kBatch = 24;
 
 dsl::Program Build(bool cnn, ir::OptimizerConfig opt, int replicas = 1, bool shard = false) {
-  dsl::Model m(cnn ? "cnn" : "mlp", /*seed=*/1);
-  models::ModelOptions mo;
-  mo.batch = kBatch;
-  mo.hidden = {25, 10};
-  mo.classes = 10;
-  dsl::Tensor loss = cnn ? models::DefineCnn(m, mo) : models::DefineMlp(m, mo);
-  return m.train(loss).optimizer(opt).replicas(replicas).shard_weight_update(shard).build();
+  test::SmallProgram s;
+  s.cnn = cnn;
+  s.batch = kBatch;
+  return test::Build(s, opt, replicas, shard);
 }
 
 std::vector<TensorMap> Batches(bool cnn, int steps) {
   static const Dataset d = SyntheticClassification(480, 1, 28, 28, 10, /*seed=*/11);
-  BatchIterator it(d, kBatch, /*shuffle=*/true, /*seed=*/5, cnn ? ir::Shape{1, 28, 28} : ir::Shape{784});
-  std::vector<TensorMap> out(steps);
-  for (auto& in : out) it.Next(&in["image"], &in["label"]);
-  return out;
+  return test::Batches(d, cnn, kBatch, steps, /*order_seed=*/5);
 }
 
 // Per element: |got - want| <= rtol * |want| + atol (want: the interpreter's value). Returns the
