@@ -213,6 +213,41 @@ double FmaPeakGflops() {
   return cores * kIterations * 12.0 * 32 / Median(t) / 1e9;
 }
 
+// The machine's bf16 dot-product peak, as FmaPeakGflops: 12 chains of VDPBF16PS (16 lanes, each two
+// products summed into f32: 64 flops an instruction). 0 without AVX512-BF16. Where it is half the FMA
+// peak (Intel without AMX), bf16 arithmetic cannot beat f32 and ParallelBf16Matmul widens to f32.
+__attribute__((target("avx512f,avx512bf16"))) float Bf16DotChains(int64_t iterations) {
+  __m512 acc[12];
+#pragma GCC unroll 12
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * static_cast<float>(i));
+  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f7f), b = (__m512bh)_mm512_set1_epi16(0x3880);  // 0.996, 6.1e-5
+  for (int64_t k = 0; k < iterations; ++k) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  __m512 sum = acc[0];
+#pragma GCC unroll 12
+  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  return _mm512_reduce_add_ps(sum);
+}
+
+double Bf16DotPeakGflops() {
+  if (!__builtin_cpu_supports("avx512bf16")) return 0;
+  const int cores = jit::NumCores();
+  constexpr int64_t kIterations = 10'000'000;
+  std::vector<double> t;
+  for (int r = 0; r < 5; ++r) {
+    std::vector<std::thread> threads;
+    std::vector<float> sink(cores);
+    const auto t0 = Clock::now();
+    for (int c = 0; c < cores; ++c) threads.emplace_back([&, c] { sink[c] = Bf16DotChains(kIterations); });
+    for (auto& th : threads) th.join();
+    t.push_back(Seconds(t0, Clock::now()));
+    if (sink[0] != sink[0]) return 0;
+  }
+  return cores * kIterations * 12.0 * 64 / Median(t) / 1e9;
+}
+
 // STREAM triad a = b + s * c over n floats, split across the cores with TBB; bytes = 3 * 4 * n.
 double TriadBytesPerSecond(int64_t n) {
   std::vector<float> a(n), b(n, 1.0f), c(n, 2.0f);
@@ -969,6 +1004,12 @@ int PrecisionCompare(int rounds) {
               << *std::max_element(per_round.begin(), per_round.end()) << "\n";
   }
   GemmCompare();
+  const double fma = FmaPeakGflops(), dot = Bf16DotPeakGflops();
+  std::cout << std::fixed << std::setprecision(1) << "this machine's peaks, " << jit::NumCores()
+            << " threads of 12 chains: f32 FMA " << fma << " GFLOP/s, bf16 dot product (VDPBF16PS) " << dot
+            << " GFLOP/s (bf16 / f32 " << std::setprecision(2) << (fma > 0 ? dot / fma : 0.0)
+            << "); bf16 matmuls run as " << (jit::Bf16MatmulWidens() ? "f32 sgemm on the widened operands" : "oneDNN bf16")
+            << " here (jit::Bf16MatmulWidens)\n";
   return 0;
 }
 

@@ -3,6 +3,7 @@
 #include "jit/dnnl_runtime.h"
 #include "jit/data_movement.h"
 
+#include <cpuid.h>
 #include <dlfcn.h>
 #include <dnnl.h>
 #include <immintrin.h>
@@ -12,6 +13,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -170,6 +173,30 @@ bool CpuHasAmx() {
   return amx;
 }
 
+namespace {
+bool IntelCpu() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  return b == 0x756e6547 && d == 0x49656e69 && c == 0x6c65746e;  // "GenuineIntel"
+}
+std::atomic<int> bf16_widens_override{-1};
+}  // namespace
+
+bool Bf16MatmulWidens() {
+  static const bool by_cpu = [] {
+    const char* e = std::getenv("SHARDSTEP_BF16_MATMUL");
+    const std::string v = e ? e : "";
+    if (v == "widen") return true;
+    if (v == "onednn") return false;
+    SS_CHECK(v.empty(), "SHARDSTEP_BF16_MATMUL: '", v, "' is neither 'widen' nor 'onednn'");
+    return IntelCpu() && !CpuHasAmx();
+  }();
+  const int o = bf16_widens_override.load();
+  return o < 0 ? by_cpu : o == 1;
+}
+
+void SetBf16MatmulWidens(int widens) { bf16_widens_override = widens; }
+
 const dnnl::engine& DnnlEngine() {
   static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
   return e;
@@ -288,6 +315,7 @@ void ToBf16(const float* x, int64_t count, uint16_t* y) {
 // (a thread waiting in tbb::parallel_for may run another call's task): grown only.
 struct Bf16Operands {
   std::vector<uint16_t> a, b;
+  std::vector<float> wide_a, wide_b;  // the widened operands (Bf16MatmulWidens)
   std::vector<float> turned;  // C^T of a turned-around product (ParallelBf16Matmul)
 };
 struct OperandsScope {
@@ -304,10 +332,49 @@ thread_local std::vector<std::unique_ptr<Bf16Operands>> OperandsScope::stack;
 thread_local size_t OperandsScope::depth = 0;
 
 
+// ParallelBf16Matmul on f32 operands holding bf16 values, as f32 sgemm (Bf16MatmulWidens): one product
+// as the step's 2-D f32 matmul (StepSgemm), a batch's products one single-threaded call each in TBB
+// tasks. The same call on the same values whichever overload widened them, so the same bits.
+void WidenedMatmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
+                   int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c) {
+  if (batches == 1) return StepSgemm(ta, tb, m, n, k, a, lda, b, ldb, c);
+  tbb::parallel_for(int64_t{0}, batches, [&](int64_t i) {
+    thread_local const bool single = (SetOmpThreads(1), true);
+    (void)single;
+    DnnlSgemm(ta, tb, m, n, k, a + i * sa, lda, b + i * sb, ldb, 0.0f, c + i * m * n, n);
+  });
+}
+
+// Exact: bf16 h is the f32 whose top half is h.
+void WidenBf16Scalar(const uint16_t* h, int64_t count, float* x) {
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t u = static_cast<uint32_t>(h[i]) << 16;
+    std::memcpy(x + i, &u, 4);
+  }
+}
+__attribute__((target("avx512f"))) void WidenBf16Avx512(const uint16_t* h, int64_t count, float* x) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i)));
+    _mm512_storeu_si512(x + i, _mm512_slli_epi32(w, 16));
+  }
+  WidenBf16Scalar(h + i, count - i, x + i);
+}
+void WidenBf16(const uint16_t* h, int64_t count, float* x) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  tbb::parallel_for(int64_t{0}, (count + (1 << 16) - 1) >> 16, [&](int64_t chunk) {
+    const int64_t i0 = chunk << 16, i1 = std::min(count, i0 + (int64_t{1} << 16));
+    if (avx512) WidenBf16Avx512(h + i0, i1 - i0, x + i0);
+    else WidenBf16Scalar(h + i0, i1 - i0, x + i0);
+  });
+}
+
 }  // namespace
 
 void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a,
                         int64_t lda, int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c) {
+  if (batches > 0 && m > 0 && n > 0 && k > 0 && Bf16MatmulWidens())
+    return WidenedMatmul(ta, tb, batches, m, n, k, a, lda, sa, b, ldb, sb, c);
   if (batches == 0 || m == 0 || n == 0 || k == 0) {
     ParallelBf16Matmul(ta, tb, batches, m, n, k, static_cast<const uint16_t*>(nullptr), lda, sa, nullptr, ldb, sb, c);
     return;
@@ -327,6 +394,16 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
   if (k == 0) {
     std::fill(c, c + batches * m * n, 0.0f);
     return;
+  }
+  if (Bf16MatmulWidens()) {
+    OperandsScope scope;
+    const int64_t na = (batches - 1) * sa + (ta ? k : m) * lda, nb = (batches - 1) * sb + (tb ? n : k) * ldb;
+    std::vector<float>&wa = scope.ops->wide_a, &wb = scope.ops->wide_b;
+    if (static_cast<int64_t>(wa.size()) < na) wa.resize(na);
+    if (static_cast<int64_t>(wb.size()) < nb) wb.resize(nb);
+    WidenBf16(ha, na, wa.data());
+    WidenBf16(hb, nb, wb.data());
+    return WidenedMatmul(ta, tb, batches, m, n, k, wa.data(), lda, sa, wb.data(), ldb, sb, c);
   }
   // A weight gradient A^T B taller than wide runs turned around, C^T = B^T A, then C^T is transposed:
   // oneDNN 2.6's gemm:jit is faster on the wider form (bench/step --bf16, per shape with

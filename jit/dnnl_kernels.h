@@ -65,6 +65,18 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
 void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const uint16_t* a,
                         int64_t lda, int64_t sa, const uint16_t* b, int64_t ldb, int64_t sb, float* c);
 
+// Whether ParallelBf16Matmul computes its products as f32 sgemm on the widened operands (exact: a
+// bf16 value is an f32 whose low 16 bits are zero; the products are exact in f32 and summed in f32,
+// as oneDNN's bf16 kernels do, in another order). Chosen by the CPU, so one machine always computes
+// the same bits: on an Intel CPU without AMX in effect (Sapphire/Emerald Rapids in a VM that hides
+// it) VDPBF16PS retires one 512-bit instruction every 2 cycles where VFMADD231PS retires two a cycle,
+// so bf16 products run at half the f32 rate (bench/step --bf16 prints both peaks: 113 against 225
+// GFLOP/s a core on an Emerald Rapids guest, where oneDNN's bf16 MLP matmuls took 1.6x the f32
+// ones); AMD Zen 4 runs them at the full rate. SHARDSTEP_BF16_MATMUL=widen|onednn overrides;
+// SetBf16MatmulWidens (tests) too.
+bool Bf16MatmulWidens();
+void SetBf16MatmulWidens(int widens);  // 1 widen, 0 oneDNN, -1 back to the CPU's choice
+
 // Whether oneDNN runs AMX kernels on this CPU (read once). Rules that choose a kernel by measurements
 // that differ between CPUs key on it, so one machine always computes the same bits.
 bool CpuHasAmx();

@@ -1,6 +1,8 @@
-// oneDNN bf16 x bf16 -> f32 matmul (jit/dnnl_kernels.h ParallelBf16Matmul) against a float64 reference on
+// The bf16 x bf16 -> f32 matmul (jit/dnnl_kernels.h ParallelBf16Matmul) against a float64 reference on
 // bf16-valued operands, every transpose, batched and split into row blocks; its bits across calls and
-// thread counts; and the JIT running the mixed-precision pass's rounded matmuls through it.
+// thread counts; and the JIT running the mixed-precision pass's rounded matmuls through it. Every case
+// runs both ways the CPU may choose (Bf16MatmulWidens): oneDNN's bf16 kernels, and f32 sgemm on the
+// widened operands, which must give the bits of the step's f32 matmul on the same values.
 #include <catch2/catch.hpp>
 #include <tbb/global_control.h>
 
@@ -52,9 +54,18 @@ std::vector<float> Run(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, 
   return c;
 }
 
+// Forces one of the two ways for a test case's scope (GENERATE(0, 1): both).
+struct WidensScope {
+  explicit WidensScope(int widens) { jit::SetBf16MatmulWidens(widens); }
+  ~WidensScope() { jit::SetBf16MatmulWidens(-1); }
+};
+
 }  // namespace
 
 TEST_CASE("bf16 matmul: every transpose, batched and in row blocks, within f32 accumulation of float64") {
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  const WidensScope mode(widens);
   jit::ConfigureThreadsForReplica(1);
   struct Case {
     int64_t batches, m, n, k;
@@ -70,6 +81,9 @@ TEST_CASE("bf16 matmul: every transpose, batched and in row blocks, within f32 a
 }
 
 TEST_CASE("bf16 matmul: the same bits across calls and thread counts") {
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  const WidensScope mode(widens);
   jit::ConfigureThreadsForReplica(1);
   const int64_t m = 256, n = 512, k = 384;
   const auto a = Bf16Values(m * k, 3), b = Bf16Values(k * n, 4);
@@ -82,6 +96,9 @@ TEST_CASE("bf16 matmul: the same bits across calls and thread counts") {
 // A^T B taller than wide (a weight gradient such as transformer_lm's fc2, 512x128x4096) runs turned
 // around, C^T = B^T A, then transposed: right, and the same bits on any threads.
 TEST_CASE("bf16 matmul: a transposed A taller than wide runs turned around, right on any threads") {
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  const WidensScope mode(widens);
   jit::ConfigureThreadsForReplica(1);
   struct Case {
     int64_t m, n, k;
@@ -101,6 +118,9 @@ TEST_CASE("bf16 matmul: a transposed A taller than wide runs turned around, righ
 // accumulation of its float64 value, and the same bits whatever the threads. Not the bits each has
 // alone: on AMX (oneDNN's brgemm kernels) a 3D call may block the sum over k otherwise than a 2D one.
 TEST_CASE("bf16 matmul: a batch's small products grouped per call, each right, the same bits on any threads") {
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  const WidensScope mode(widens);
   jit::ConfigureThreadsForReplica(1);
   const bool ta = GENERATE(false, true), tb = GENERATE(false, true);
   INFO("ta " << ta << " tb " << tb);
@@ -114,6 +134,9 @@ TEST_CASE("bf16 matmul: a batch's small products grouped per call, each right, t
 }
 
 TEST_CASE("bf16 matmul: operands stored as bf16 give the bits of the same values stored as f32") {
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  const WidensScope mode(widens);
   jit::ConfigureThreadsForReplica(1);
   for (int t = 0; t < 4; ++t) {
     const bool ta = t & 1, tb = t & 2;
@@ -130,7 +153,10 @@ TEST_CASE("bf16 matmul: operands stored as bf16 give the bits of the same values
   }
 }
 
-TEST_CASE("bf16 matmul: the JIT runs rounded matmuls (rank 2 and batched) through oneDNN bf16") {
+TEST_CASE("bf16 matmul: the JIT runs rounded matmuls (rank 2 and batched) through ParallelBf16Matmul") {
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  const WidensScope mode(widens);
   for (int rank : {2, 3}) {
     ir::Module m;
     m.name = "bf16mm";
@@ -168,5 +194,34 @@ TEST_CASE("bf16 matmul: the JIT runs rounded matmuls (rank 2 and batched) throug
     for (float& v : ra) v = runtime::RoundToBf16(v);
     for (float& v : rb) v = runtime::RoundToBf16(v);
     CheckAgainstFloat64(false, true, rank == 2 ? 1 : 3, 64, 80, 96, ra, rb, out.at("y").f32);
+  }
+}
+
+// Widened, a product is the step's f32 matmul on the same values (StepSgemm; a batch's products one
+// dnnl_sgemm each): the same bits, from f32-stored and bf16-stored operands alike.
+TEST_CASE("bf16 matmul widened: the bits of the f32 sgemm on the same values") {
+  jit::ConfigureThreadsForReplica(1);
+  const WidensScope mode(1);
+  REQUIRE(jit::Bf16MatmulWidens());
+  const bool ta = GENERATE(false, true), tb = GENERATE(false, true);
+  INFO("ta " << ta << " tb " << tb);
+  for (int64_t batches : {1, 3}) {
+    const int64_t m = 48, n = 1024, k = 512;  // m = 48: an NT product StepSgemm turns around
+    const auto a = Bf16Values(batches * m * k, 13), b = Bf16Values(batches * k * n, 14);
+    std::vector<float> want(batches * m * n);
+    for (int64_t i = 0; i < batches; ++i) {
+      if (batches == 1)
+        jit::StepSgemm(ta, tb, m, n, k, a.data(), ta ? m : k, b.data(), tb ? k : n, want.data());
+      else
+        jit::DnnlSgemm(ta, tb, m, n, k, a.data() + i * m * k, ta ? m : k, b.data() + i * k * n, tb ? k : n, 0.0f,
+                       want.data() + i * m * n, n);
+    }
+    CHECK(Run(ta, tb, batches, m, n, k, a, b) == want);
+    std::vector<uint16_t> ha(a.size()), hb(b.size());
+    for (size_t i = 0; i < a.size(); ++i) ha[i] = runtime::F32ToBf16(a[i]);
+    for (size_t i = 0; i < b.size(); ++i) hb[i] = runtime::F32ToBf16(b[i]);
+    std::vector<float> c(want.size(), -1.0f);
+    jit::ParallelBf16Matmul(ta, tb, batches, m, n, k, ha.data(), ta ? m : k, m * k, hb.data(), tb ? k : n, k * n, c.data());
+    CHECK(c == want);
   }
 }
