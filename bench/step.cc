@@ -23,6 +23,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include <algorithm>
+#include <barrier>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -51,6 +52,7 @@
 #include "jit/dnnl_kernels.h"
 #include "models/models.h"
 #include "models/transformer.h"
+#include "runtime/replica_runner.h"
 #include "runtime/sharding.h"
 
 using namespace shardstep;
@@ -637,6 +639,116 @@ Replication MeasureReplication(const ModelCase& c, int rounds, double budget_s) 
   return r;
 }
 
+// The replication ratio's floor from the MLP's GEMMs alone: its forward and input-gradient products as
+// each replica's step calls them (jit::StepSgemm on the replica's rows of the batch) and its weight
+// gradients as the sharded update folds them (member p computes row block p of every member's product,
+// jit::SgemmRowBlock then SgemmRowBlockAdd), on N replica threads pinned as the executor pins them, the
+// phases apart as the reduce-scatter's rendezvous puts them; against the same products at N = 1. No
+// update, no collectives, no other op: where this ratio is near the target, the step's cannot pass.
+struct GemmFloor {
+  double n1_ms = 0, nn_ms = 0;
+  double ratio() const { return nn_ms / n1_ms; }
+};
+
+GemmFloor MeasureMlpGemmFloor(int rounds) {
+  constexpr int64_t kBatch = 128, kIn = 784, kHidden = 1024, kOut = 10;
+  std::vector<float> w1(kIn * kHidden, 0.01f), w2(kHidden * kHidden, 0.01f), w3(kHidden * kOut, 0.01f);
+  std::vector<float> g1(kIn * kHidden), g2(kHidden * kHidden), g3(kHidden * kOut);
+  struct Rows {
+    std::vector<float> x, h1, h2, y, d3, d2, d1;
+  };
+  auto rows_of = [&](int64_t m) {
+    return Rows{std::vector<float>(m * kIn, 0.5f),     std::vector<float>(m * kHidden, 0.5f),
+                std::vector<float>(m * kHidden, 0.5f), std::vector<float>(m * kOut),
+                std::vector<float>(m * kOut, 0.1f),    std::vector<float>(m * kHidden, 0.1f),
+                std::vector<float>(m * kHidden, 0.1f)};
+  };
+  // One replica's forward and input-gradient products (m rows).
+  auto forward_backward = [&](Rows& r, int64_t m) {
+    jit::StepSgemm(false, false, m, kHidden, kIn, r.x.data(), kIn, w1.data(), kHidden, r.h1.data());
+    jit::StepSgemm(false, false, m, kHidden, kHidden, r.h1.data(), kHidden, w2.data(), kHidden, r.h2.data());
+    jit::StepSgemm(false, false, m, kOut, kHidden, r.h2.data(), kHidden, w3.data(), kOut, r.y.data());
+    jit::StepSgemm(false, true, m, kHidden, kOut, r.d3.data(), kOut, w3.data(), kOut, r.d2.data());
+    jit::StepSgemm(false, true, m, kHidden, kHidden, r.d2.data(), kHidden, w2.data(), kHidden, r.d1.data());
+  };
+  // N = 1: the whole batch, the weight gradients as three products.
+  Rows one = rows_of(kBatch);
+  auto step_one = [&] {
+    forward_backward(one, kBatch);
+    jit::StepSgemm(true, false, kIn, kHidden, kBatch, one.x.data(), kIn, one.d1.data(), kHidden, g1.data());
+    jit::StepSgemm(true, false, kHidden, kHidden, kBatch, one.h1.data(), kHidden, one.d2.data(), kHidden, g2.data());
+    jit::StepSgemm(true, false, kHidden, kOut, kBatch, one.h2.data(), kHidden, one.d3.data(), kOut, g3.data());
+  };
+  // N = kReplicas threads, kept for the whole measurement; each round runs `steps` steps.
+  const int64_t m = kBatch / kReplicas;
+  std::vector<Rows> reps;
+  for (int r = 0; r < kReplicas; ++r) reps.push_back(rows_of(m));
+  const std::vector<int> cpus = runtime::ReplicaCpus(kReplicas);
+  std::barrier sync(kReplicas + 1);
+  int steps = 0;
+  bool stop = false;
+  std::vector<double> times;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kReplicas; ++r)
+    threads.emplace_back([&, r] {
+      if (!cpus.empty()) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[r], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+      }
+      jit::ConfigureThreadsForReplica(kReplicas);
+      for (;;) {
+        sync.arrive_and_wait();  // a round starts (or stop)
+        if (stop) return;
+        for (int i = 0; i < steps; ++i) {
+          sync.arrive_and_wait();
+          forward_backward(reps[r], m);
+          sync.arrive_and_wait();  // the reduce-scatter's first rendezvous: every member's operands are made
+          for (int q = 0; q < kReplicas; ++q) {
+            auto fold = q == 0 ? jit::SgemmRowBlock : jit::SgemmRowBlockAdd;
+            fold(true, false, kIn, kHidden, m, reps[q].x.data(), kIn, reps[q].d1.data(), kHidden, kReplicas, r,
+                 g1.data() + r * (kIn / kReplicas) * kHidden);
+            fold(true, false, kHidden, kHidden, m, reps[q].h1.data(), kHidden, reps[q].d2.data(), kHidden, kReplicas, r,
+                 g2.data() + r * (kHidden / kReplicas) * kHidden);
+          }
+          sync.arrive_and_wait();
+        }
+      }
+    });
+  auto run_many = [&](int k) {
+    steps = k;
+    sync.arrive_and_wait();
+    for (int i = 0; i < k; ++i) {
+      const auto t0 = Clock::now();
+      sync.arrive_and_wait();
+      sync.arrive_and_wait();
+      sync.arrive_and_wait();
+      times.push_back(Seconds(t0, Clock::now()) * 1e3);
+    }
+  };
+  std::vector<double> a;
+  constexpr int kSteps = 20;
+  for (int round = 0; round <= rounds; ++round) {  // round 0 warms both up
+    Settle();
+    std::vector<double> x;
+    for (int i = 0; i < kSteps; ++i) {
+      const auto t0 = Clock::now();
+      step_one();
+      x.push_back(Seconds(t0, Clock::now()) * 1e3);
+    }
+    Settle();
+    const size_t before = times.size();
+    run_many(kSteps);
+    if (round == 0) times.resize(before);
+    else a.insert(a.end(), x.begin(), x.end());
+  }
+  stop = true;
+  sync.arrive_and_wait();
+  for (std::thread& t : threads) t.join();
+  return {Median(a), Median(times)};
+}
+
 // ---- `shardstep train` against the same binary's steps: the MLP (batch 128, Adam lr 1e-3) run by the
 // shardstep command on Fashion-MNIST (a child process per round, its median step_ms from --metrics-out over
 // steps after the first kTrainWarmup), alternately with this binary's own TrainStep blocks of the same model.
@@ -1156,6 +1268,14 @@ int Run(const Args& args) {
   for (const char* name : {"mlp", "resnet20"})
     if (Selected(args, name)) reps.push_back(MeasureReplication(FindCase(name), args.rounds, args.replication_budget_s));
   PrintReplication(reps, args.rounds, args.replication_budget_s);
+  std::optional<GemmFloor> floor;
+  if (Selected(args, "mlp")) {
+    floor = MeasureMlpGemmFloor(args.rounds);
+    std::cout << std::fixed << std::setprecision(2) << "  mlp's GEMMs alone (the floor of its ratio here: as the step "
+              << "calls them, the weight gradients folded per member, no update or collectives): N=1 " << floor->n1_ms
+              << " ms, N=" << kReplicas << " " << floor->nn_ms << " ms, ratio " << std::setprecision(3) << floor->ratio()
+              << "\n";
+  }
   std::optional<TrainVsBench> train;
   if (Selected(args, "mlp")) {
     train = MeasureTrainVsBench(FindCase("mlp"), args.rounds);
@@ -1165,6 +1285,9 @@ int Run(const Args& args) {
 
   if (!args.json.empty()) {
     nlohmann::json j = ToJson(rows, bound, reps, train);
+    if (floor)
+      j["replication_gemm_floor"] = {{"model", "mlp"}, {"replicas", kReplicas}, {"n1_ms", floor->n1_ms},
+                                     {"nN_ms", floor->nn_ms}, {"ratio", floor->ratio()}};
     j["rounds"] = args.rounds;
     j["threads"] = threads;
     j["cpu"] = CpuDescription();
