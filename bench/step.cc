@@ -6,10 +6,12 @@
 // resnet20 (configs/resnet20.toml), transformer_lm (configs/transformer_lm.toml) and a small bert
 // (bench/mlperf/mlperf_bert.cc's size, LAMB). Also, in the same binary: the MLP step against its bound (its
 // GEMMs on oneDNN + the Adam update's bytes at a STREAM triad rate measured here), the replication overhead
-// (N = 8 in-process replicas with the sharded weight update vs N = 1 on the same global batch), the step's
+// (N = 8 in-process replicas with the sharded weight update vs N = 1 on the same global batch; and its floor
+// from the MLP's GEMMs alone, MeasureMlpGemmFloor), the step's
 // GFLOP/s vs oneDNN sgemm, the fused-Adam update's bytes/s vs the triad, and `shardstep train`'s MLP step_ms vs
 // this binary's (MeasureTrainVsBench). --json FILE writes every figure.
-// --bf16: the same binary's f32 and bf16 steps (see PrecisionCompare).
+// --bf16: the same binary's f32 and bf16 steps (see PrecisionCompare), and the machine's f32 FMA and bf16
+// dot-product peaks.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <tbb/blocked_range.h>
