@@ -435,6 +435,7 @@ struct Slot {
   std::vector<uint16_t> p, ds;                     // bf16 copies
   std::array<std::vector<float>, 4> operand;       // q, k, v, dout gathered or rounded (Operand)
   std::vector<float> staged;                       // a result on its way out (ResultBlock)
+  std::vector<float> wide_a, wide_b;               // a product's bf16 operands widened (Plan::widen)
   std::array<Mems, kKinds> mems;
   std::vector<char> pad;                           // oneDNN scratchpad (64-byte aligned within)
   char* Pad() { return pad.data() + (64 - reinterpret_cast<uintptr_t>(pad.data()) % 64) % 64; }
@@ -444,6 +445,10 @@ struct Slot {
 // (a step after the first allocates nothing; a worker's first task finds its slot ready).
 struct Plan {
   std::array<const Product*, kKinds> product{};
+  // bf16 products as f32 products on the operands widened to f32 (exact), in the slot, where the CPU's
+  // bf16 dot product is half-rate (jit::Bf16MatmulWidens); the operands' elements per kind.
+  bool widen = false;
+  std::array<int64_t, kKinds> a_elems{}, b_elems{};
   std::vector<Slot> slots;
   int64_t g = 1;
   std::vector<double> partial;  // AttentionGradParts' column sums: [blocks][3][H * d], sized at first use
@@ -460,17 +465,22 @@ bool Copied(const AttentionShape& s, int i) { return s.heads_in > 0 || (s.bf16 &
 bool Staged(const AttentionShape& s) { return s.heads_out > 0 || s.bf16_out; }
 
 Plan& PlanFor(const AttentionShape& s) {
-  thread_local std::map<std::array<int64_t, 8>, Plan> plans;
+  thread_local std::map<std::array<int64_t, 9>, Plan> plans;
   int64_t stored = 0;
   for (int i = 0; i < 4; ++i) stored |= int64_t{s.stored_bf16[i]} << i;
-  const std::array<int64_t, 8> key{s.heads, s.t, s.d, s.bf16, stored, s.heads_in, s.heads_out, s.bf16_out};
+  const bool widen = s.bf16 && Bf16MatmulWidens();
+  const std::array<int64_t, 9> key{s.heads, s.t, s.d, s.bf16, stored, s.heads_in, s.heads_out, s.bf16_out, widen};
   auto [it, fresh] = plans.try_emplace(key);
   Plan& plan = it->second;
   if (!fresh) return plan;
   const int64_t g = plan.g = GroupOf(s), tt = s.t * s.t, n = g * s.t * s.d;
-  plan.product[kScoresT] = &ProductFor(s.bf16, false, true, g, s.t, s.t, s.d);
-  plan.product[kTransA] = &ProductFor(s.bf16, true, false, g, s.t, s.d, s.t);
-  plan.product[kPlain] = &ProductFor(s.bf16, false, false, g, s.t, s.d, s.t);
+  const bool bf16_products = s.bf16 && !widen;
+  plan.widen = widen;
+  plan.product[kScoresT] = &ProductFor(bf16_products, false, true, g, s.t, s.t, s.d);
+  plan.product[kTransA] = &ProductFor(bf16_products, true, false, g, s.t, s.d, s.t);
+  plan.product[kPlain] = &ProductFor(bf16_products, false, false, g, s.t, s.d, s.t);
+  plan.a_elems = {n, g * tt, g * tt};  // k (or v), p^T or ds^T, p^T or ds^T
+  plan.b_elems = {n, n, n};            // q (or dout), v (or k), dout (or q)
   size_t scratch = 0;
   for (const Product* p : plan.product) scratch = std::max(scratch, p->scratch);
   plan.slots.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
@@ -484,6 +494,10 @@ Plan& PlanFor(const AttentionShape& s) {
     for (int i = 0; i < 4; ++i)
       if (Copied(s, i)) slot.operand[i].resize(n);  // floats: room for either element type
     if (Staged(s)) slot.staged.resize(n);
+    if (widen) {
+      slot.wide_a.resize(g * std::max(tt, s.t * s.d));
+      slot.wide_b.resize(n);
+    }
     slot.pad.resize(scratch + 64);
     for (int kind = 0; kind < kKinds; ++kind) {  // bound now: a later Bind only re-points
       const Product& p = *plan.product[kind];
@@ -497,6 +511,12 @@ Plan& PlanFor(const AttentionShape& s) {
 }
 
 void Run(Slot& slot, const Plan& plan, ProductKind kind, const void* a, const void* b, float* c) {
+  if (plan.widen) {  // a and b hold bf16 (every operand of a bf16 product does)
+    WidenBf16Values(static_cast<const uint16_t*>(a), plan.a_elems[kind], slot.wide_a.data());
+    WidenBf16Values(static_cast<const uint16_t*>(b), plan.b_elems[kind], slot.wide_b.data());
+    a = slot.wide_a.data();
+    b = slot.wide_b.data();
+  }
   Run(*plan.product[kind], slot.mems[kind], slot.Pad(), a, b, c);
 }
 

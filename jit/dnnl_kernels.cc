@@ -174,6 +174,7 @@ bool CpuHasAmx() {
 }
 
 namespace {
+void WidenRow(const uint16_t* h, int64_t count, float* x);
 bool IntelCpu() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
@@ -196,6 +197,8 @@ bool Bf16MatmulWidens() {
 }
 
 void SetBf16MatmulWidens(int widens) { bf16_widens_override = widens; }
+
+void WidenBf16Values(const uint16_t* h, int64_t count, float* x) { WidenRow(h, count, x); }
 
 const dnnl::engine& DnnlEngine() {
   static const dnnl::engine e(dnnl::engine::kind::cpu, 0);
@@ -315,7 +318,8 @@ void ToBf16(const float* x, int64_t count, uint16_t* y) {
 // (a thread waiting in tbb::parallel_for may run another call's task): grown only.
 struct Bf16Operands {
   std::vector<uint16_t> a, b;
-  std::vector<float> wide_a, wide_b;  // the widened operands (Bf16MatmulWidens)
+  std::vector<float> wide_a, wide_b;           // the widened operands (Bf16MatmulWidens)
+  std::vector<std::vector<float>> block_slots;  // a widened block per TBB thread slot
   std::vector<float> turned;  // C^T of a turned-around product (ParallelBf16Matmul)
 };
 struct OperandsScope {
@@ -332,19 +336,6 @@ thread_local std::vector<std::unique_ptr<Bf16Operands>> OperandsScope::stack;
 thread_local size_t OperandsScope::depth = 0;
 
 
-// ParallelBf16Matmul on f32 operands holding bf16 values, as f32 sgemm (Bf16MatmulWidens): one product
-// as the step's 2-D f32 matmul (StepSgemm), a batch's products one single-threaded call each in TBB
-// tasks. The same call on the same values whichever overload widened them, so the same bits.
-void WidenedMatmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
-                   int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c) {
-  if (batches == 1) return StepSgemm(ta, tb, m, n, k, a, lda, b, ldb, c);
-  tbb::parallel_for(int64_t{0}, batches, [&](int64_t i) {
-    thread_local const bool single = (SetOmpThreads(1), true);
-    (void)single;
-    DnnlSgemm(ta, tb, m, n, k, a + i * sa, lda, b + i * sb, ldb, 0.0f, c + i * m * n, n);
-  });
-}
-
 // Exact: bf16 h is the f32 whose top half is h.
 void WidenBf16Scalar(const uint16_t* h, int64_t count, float* x) {
   for (int64_t i = 0; i < count; ++i) {
@@ -360,12 +351,85 @@ __attribute__((target("avx512f"))) void WidenBf16Avx512(const uint16_t* h, int64
   }
   WidenBf16Scalar(h + i, count - i, x + i);
 }
-void WidenBf16(const uint16_t* h, int64_t count, float* x) {
+void WidenRow(const uint16_t* h, int64_t count, float* x) {
   static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) WidenBf16Avx512(h, count, x);
+  else WidenBf16Scalar(h, count, x);
+}
+void WidenBf16(const uint16_t* h, int64_t count, float* x) {
   tbb::parallel_for(int64_t{0}, (count + (1 << 16) - 1) >> 16, [&](int64_t chunk) {
     const int64_t i0 = chunk << 16, i1 = std::min(count, i0 + (int64_t{1} << 16));
-    if (avx512) WidenBf16Avx512(h + i0, i1 - i0, x + i0);
-    else WidenBf16Scalar(h + i0, i1 - i0, x + i0);
+    WidenRow(h + i0, i1 - i0, x + i0);
+  });
+}
+
+// An operand of a widened product: f32 holding bf16 values, or stored as bf16.
+struct WideOperand {
+  const float* f = nullptr;
+  const uint16_t* h = nullptr;
+  int64_t ld = 0, extent = 0;  // row stride; elements the product may read
+  // The whole operand as f32 with its own row stride: in place, or widened into `buf`.
+  const float* Whole(std::vector<float>& buf) const {
+    if (f) return f;
+    if (static_cast<int64_t>(buf.size()) < extent) buf.resize(extent);
+    WidenBf16(h, extent, buf.data());
+    return buf.data();
+  }
+  // Stored rows [r0, r0 + rows) x columns [c0, c0 + cols) as f32, dense (cols apart) at dst.
+  void Block(int64_t r0, int64_t rows, int64_t c0, int64_t cols, float* dst) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (f) std::memcpy(dst + r * cols, f + (r0 + r) * ld + c0, sizeof(float) * cols);
+      else WidenRow(h + (r0 + r) * ld + c0, cols, dst + r * cols);
+    }
+  }
+};
+
+// ParallelBf16Matmul as f32 sgemm on the operands widened to f32 (Bf16MatmulWidens), in the blocks of
+// ParallelSgemm: the operand a block reads a part of (op(A)'s rows, or op(B)'s columns when the product
+// is wider than tall) is copied for each block, widened, into the task's scratch, where the sgemm reads
+// it from cache (not widened whole into memory and read back: transformer_lm's activations), the other
+// one read whole. A batch's products, an NT product StepSgemm turns around, and a single block read
+// both whole. Both overloads take the same route on the same values with the same strides, so give the
+// same bits; the route depends on the shapes only.
+void WidenedMatmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const WideOperand& a,
+                   const WideOperand& b, int64_t sa, int64_t sb, float* c) {
+  OperandsScope scope;
+  Bf16Operands& ops = *scope.ops;
+  if (batches > 1) {
+    const float *wa = a.Whole(ops.wide_a), *wb = b.Whole(ops.wide_b);
+    tbb::parallel_for(int64_t{0}, batches, [&](int64_t i) {
+      thread_local const bool single = (SetOmpThreads(1), true);
+      (void)single;
+      DnnlSgemm(ta, tb, m, n, k, wa + i * sa, a.ld, wb + i * sb, b.ld, 0.0f, c + i * m * n, n);
+    });
+    return;
+  }
+  const bool by_columns = m < n;
+  const auto [span, blocks] = by_columns ? BlocksOf(n, m, k) : BlocksOf(m, n, k);
+  if (blocks <= 1 || (SgemmTurnsAround(ta, tb, m, n, k) && a.ld == k && b.ld == k))
+    return StepSgemm(ta, tb, m, n, k, a.Whole(ops.wide_a), a.ld, b.Whole(ops.wide_b), b.ld, c);
+  const WideOperand& split = by_columns ? b : a;
+  const float* whole = by_columns ? a.Whole(ops.wide_a) : b.Whole(ops.wide_b);
+  // One scratch block per TBB thread slot, sized here (grown only): no task allocates.
+  ops.block_slots.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
+  for (std::vector<float>& slot : ops.block_slots)
+    if (static_cast<int64_t>(slot.size()) < span * k) slot.resize(span * k);
+  std::vector<std::vector<float>>& slots = ops.block_slots;
+  tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
+    thread_local const bool single = (SetOmpThreads(1), true);
+    (void)single;
+    const int index = std::max(0, tbb::this_task_arena::current_thread_index());
+    SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond the widened matmul's ", slots.size());
+    float* part = slots[index].data();
+    const int64_t first = blk * span, len = std::min(span, (by_columns ? n : m) - first);
+    // op(A)'s rows [first, +len): stored rows (k wide), or stored columns (A^T); op(B)'s columns: stored
+    // columns, or stored rows (B^T). The part keeps the operand's transposition, densely.
+    const bool stored_rows = by_columns ? tb : !ta;
+    if (stored_rows) split.Block(first, len, 0, k, part);
+    else split.Block(0, k, first, len, part);
+    const int64_t part_ld = stored_rows ? k : len;
+    if (by_columns) DnnlSgemm(ta, tb, m, len, k, whole, a.ld, part, part_ld, 0.0f, c + first, n);
+    else DnnlSgemm(ta, tb, len, n, k, part, part_ld, whole, b.ld, 0.0f, c + first * n, n);
   });
 }
 
@@ -373,8 +437,11 @@ void WidenBf16(const uint16_t* h, int64_t count, float* x) {
 
 void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n, int64_t k, const float* a,
                         int64_t lda, int64_t sa, const float* b, int64_t ldb, int64_t sb, float* c) {
-  if (batches > 0 && m > 0 && n > 0 && k > 0 && Bf16MatmulWidens())
-    return WidenedMatmul(ta, tb, batches, m, n, k, a, lda, sa, b, ldb, sb, c);
+  if (batches > 0 && m > 0 && n > 0 && k > 0 && Bf16MatmulWidens()) {
+    const int64_t na = (batches - 1) * sa + (ta ? k : m) * lda, nb = (batches - 1) * sb + (tb ? n : k) * ldb;
+    return WidenedMatmul(ta, tb, batches, m, n, k, WideOperand{a, nullptr, lda, na}, WideOperand{b, nullptr, ldb, nb},
+                         sa, sb, c);
+  }
   if (batches == 0 || m == 0 || n == 0 || k == 0) {
     ParallelBf16Matmul(ta, tb, batches, m, n, k, static_cast<const uint16_t*>(nullptr), lda, sa, nullptr, ldb, sb, c);
     return;
@@ -396,14 +463,9 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
     return;
   }
   if (Bf16MatmulWidens()) {
-    OperandsScope scope;
     const int64_t na = (batches - 1) * sa + (ta ? k : m) * lda, nb = (batches - 1) * sb + (tb ? n : k) * ldb;
-    std::vector<float>&wa = scope.ops->wide_a, &wb = scope.ops->wide_b;
-    if (static_cast<int64_t>(wa.size()) < na) wa.resize(na);
-    if (static_cast<int64_t>(wb.size()) < nb) wb.resize(nb);
-    WidenBf16(ha, na, wa.data());
-    WidenBf16(hb, nb, wb.data());
-    return WidenedMatmul(ta, tb, batches, m, n, k, wa.data(), lda, sa, wb.data(), ldb, sb, c);
+    return WidenedMatmul(ta, tb, batches, m, n, k, WideOperand{nullptr, ha, lda, na}, WideOperand{nullptr, hb, ldb, nb},
+                         sa, sb, c);
   }
   // A weight gradient A^T B taller than wide runs turned around, C^T = B^T A, then C^T is transposed:
   // oneDNN 2.6's gemm:jit is faster on the wider form (bench/step --bf16, per shape with

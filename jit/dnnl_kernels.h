@@ -76,6 +76,8 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
 // SetBf16MatmulWidens (tests) too.
 bool Bf16MatmulWidens();
 void SetBf16MatmulWidens(int widens);  // 1 widen, 0 oneDNN, -1 back to the CPU's choice
+// x[i] = the f32 of bf16 h[i] (exact), on the calling thread.
+void WidenBf16Values(const uint16_t* h, int64_t count, float* x);
 
 // Whether oneDNN runs AMX kernels on this CPU (read once). Rules that choose a kernel by measurements
 // that differ between CPUs key on it, so one machine always computes the same bits.

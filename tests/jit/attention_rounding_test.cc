@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "jit/attention.h"
+#include "jit/dnnl_kernels.h"
 #include "runtime/tensor.h"
 #include "tests/jit/attention_test_util.h"
 
@@ -79,6 +80,13 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
 }  // namespace
 
 TEST_CASE("bf16 attention: rounding in the softmax loops gives the separate pass's bits") {
+  // Both ways the CPU may run bf16 products: oneDNN bf16, or f32 on the widened operands.
+  const int widens = GENERATE(0, 1);
+  INFO("widened operands " << widens);
+  jit::SetBf16MatmulWidens(widens);
+  struct Reset {
+    ~Reset() { jit::SetBf16MatmulWidens(-1); }
+  } reset;
   struct Case {
     int64_t heads, t, d;
     bool causal, bf16_operands;
