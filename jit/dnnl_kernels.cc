@@ -190,7 +190,8 @@ bool Bf16MatmulWidens() {
     if (v == "widen") return true;
     if (v == "onednn") return false;
     SS_CHECK(v.empty(), "SHARDSTEP_BF16_MATMUL: '", v, "' is neither 'widen' nor 'onednn'");
-    return IntelCpu() && !CpuHasAmx();
+    if (CpuHasAmx()) return false;
+    return !__builtin_cpu_supports("avx512bf16") || IntelCpu();  // emulated by oneDNN, or half-rate
   }();
   const int o = bf16_widens_override.load();
   return o < 0 ? by_cpu : o == 1;

@@ -68,12 +68,13 @@ void ParallelBf16Matmul(bool ta, bool tb, int64_t batches, int64_t m, int64_t n,
 // Whether ParallelBf16Matmul computes its products as f32 sgemm on the widened operands (exact: a
 // bf16 value is an f32 whose low 16 bits are zero; the products are exact in f32 and summed in f32,
 // as oneDNN's bf16 kernels do, in another order). Chosen by the CPU, so one machine always computes
-// the same bits: on an Intel CPU without AMX in effect (Sapphire/Emerald Rapids in a VM that hides
-// it) VDPBF16PS retires one 512-bit instruction every 2 cycles where VFMADD231PS retires two a cycle,
-// so bf16 products run at half the f32 rate (bench/step --bf16 prints both peaks: 113 against 225
-// GFLOP/s a core on an Emerald Rapids guest, where oneDNN's bf16 MLP matmuls took 1.6x the f32
-// ones); AMD Zen 4 runs them at the full rate. SHARDSTEP_BF16_MATMUL=widen|onednn overrides;
-// SetBf16MatmulWidens (tests) too.
+// the same bits: widened on a CPU without AVX512-BF16 (oneDNN would emulate the bf16 products) and on
+// an Intel CPU without AMX in effect (Sapphire/Emerald Rapids in a VM that hides it), where VDPBF16PS
+// retires one 512-bit instruction every 2 cycles and VFMADD231PS two a cycle, so bf16 products run at
+// half the f32 rate (bench/step --bf16 prints both peaks: 113 against 225 GFLOP/s a core on an Emerald
+// Rapids guest, where oneDNN's bf16 MLP matmuls took 1.4-1.6x the f32 ones); oneDNN's bf16 kernels with
+// AMX, and on AMD Zen 4, which runs VDPBF16PS at the full rate. SHARDSTEP_BF16_MATMUL=widen|onednn
+// overrides; SetBf16MatmulWidens (tests) too.
 bool Bf16MatmulWidens();
 void SetBf16MatmulWidens(int widens);  // 1 widen, 0 oneDNN, -1 back to the CPU's choice
 // x[i] = the f32 of bf16 h[i] (exact), on the calling thread.
