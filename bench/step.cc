@@ -183,16 +183,26 @@ double SgemmGflops(int64_t m, int64_t n, int64_t k, bool tbb_split = false) {
   return 2.0 * m * n * k / Median(t) / 1e9;
 }
 
-// The machine's f32 multiply-add peak: one thread per core, each 12 independent chains of 16-lane FMAs
-// (AVX-512; enough in flight for two FMA pipes of latency 4-6), 32 flops each; the median of 5.
-__attribute__((target("avx512f"))) float FmaChains(int64_t iterations) {
+// The machine's peaks: one thread per core, each 12 independent chains (enough in flight for two pipes
+// of latency 4-6) of 16-lane AVX-512 FMAs (32 flops each) or of VDPBF16PS (16 lanes of two bf16 products
+// summed into f32: 64 flops each). Where the bf16 dot product's peak is half the FMA peak (Intel without
+// AMX), bf16 arithmetic cannot beat f32 and ParallelBf16Matmul widens to f32. One function for both
+// (compiled for AVX512-BF16; the FMA form has no bf16 instruction, so it runs on any AVX-512 CPU).
+template <bool kBf16Dot>
+__attribute__((target("avx512f,avx512bf16"))) float Chains(int64_t iterations) {
   __m512 acc[12];
 #pragma GCC unroll 12
   for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * static_cast<float>(i));
-  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
-  for (int64_t k = 0; k < iterations; ++k) {
+  if constexpr (kBf16Dot) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f7f), b = (__m512bh)_mm512_set1_epi16(0x3880);  // 0.996, 6.1e-5
+    for (int64_t k = 0; k < iterations; ++k)
 #pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  } else {
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-4f);
+    for (int64_t k = 0; k < iterations; ++k)
+#pragma GCC unroll 12
+      for (int i = 0; i < 12; ++i) acc[i] = _mm512_fmadd_ps(acc[i], a, b);
   }
   __m512 sum = acc[0];
 #pragma GCC unroll 12
@@ -200,56 +210,26 @@ __attribute__((target("avx512f"))) float FmaChains(int64_t iterations) {
   return _mm512_reduce_add_ps(sum);
 }
 
-double FmaPeakGflops() {
-  if (!__builtin_cpu_supports("avx512f")) return 0;
+// GFLOP/s of `chains` (12 chains of `flops_per_step` flops each per iteration) on one thread per core,
+// the median of 5 runs.
+double ChainsGflops(float (*chains)(int64_t), int64_t iterations, double flops_per_step) {
   const int cores = jit::NumCores();
-  constexpr int64_t kIterations = 20'000'000;
   std::vector<double> t;
   for (int r = 0; r < 5; ++r) {
     std::vector<std::thread> threads;
     std::vector<float> sink(cores);
     const auto t0 = Clock::now();
-    for (int c = 0; c < cores; ++c) threads.emplace_back([&, c] { sink[c] = FmaChains(kIterations); });
+    for (int c = 0; c < cores; ++c) threads.emplace_back([&, c] { sink[c] = chains(iterations); });
     for (auto& th : threads) th.join();
     t.push_back(Seconds(t0, Clock::now()));
     if (sink[0] != sink[0]) return 0;  // keeps the chains' results
   }
-  return cores * kIterations * 12.0 * 32 / Median(t) / 1e9;
+  return cores * iterations * 12.0 * flops_per_step / Median(t) / 1e9;
 }
 
-// The machine's bf16 dot-product peak, as FmaPeakGflops: 12 chains of VDPBF16PS (16 lanes, each two
-// products summed into f32: 64 flops an instruction). 0 without AVX512-BF16. Where it is half the FMA
-// peak (Intel without AMX), bf16 arithmetic cannot beat f32 and ParallelBf16Matmul widens to f32.
-__attribute__((target("avx512f,avx512bf16"))) float Bf16DotChains(int64_t iterations) {
-  __m512 acc[12];
-#pragma GCC unroll 12
-  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(1e-3f * static_cast<float>(i));
-  const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f7f), b = (__m512bh)_mm512_set1_epi16(0x3880);  // 0.996, 6.1e-5
-  for (int64_t k = 0; k < iterations; ++k) {
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  }
-  __m512 sum = acc[0];
-#pragma GCC unroll 12
-  for (int i = 1; i < 12; ++i) sum = _mm512_add_ps(sum, acc[i]);
-  return _mm512_reduce_add_ps(sum);
-}
-
+double FmaPeakGflops() { return __builtin_cpu_supports("avx512f") ? ChainsGflops(Chains<false>, 20'000'000, 32) : 0; }
 double Bf16DotPeakGflops() {
-  if (!__builtin_cpu_supports("avx512bf16")) return 0;
-  const int cores = jit::NumCores();
-  constexpr int64_t kIterations = 10'000'000;
-  std::vector<double> t;
-  for (int r = 0; r < 5; ++r) {
-    std::vector<std::thread> threads;
-    std::vector<float> sink(cores);
-    const auto t0 = Clock::now();
-    for (int c = 0; c < cores; ++c) threads.emplace_back([&, c] { sink[c] = Bf16DotChains(kIterations); });
-    for (auto& th : threads) th.join();
-    t.push_back(Seconds(t0, Clock::now()));
-    if (sink[0] != sink[0]) return 0;
-  }
-  return cores * kIterations * 12.0 * 64 / Median(t) / 1e9;
+  return __builtin_cpu_supports("avx512bf16") ? ChainsGflops(Chains<true>, 10'000'000, 64) : 0;
 }
 
 // STREAM triad a = b + s * c over n floats, split across the cores with TBB; bytes = 3 * 4 * n.
