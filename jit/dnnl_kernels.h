@@ -53,8 +53,9 @@ void TurnedSgemmNT(int64_t m, int64_t n, int64_t k, const float* a, const float*
 
 // C = op(A) op(B) for operands holding bf16 values (f32 whose low 16 bits are zero: the
 // mixed-precision pass's rounded operands) as oneDNN bf16 x bf16 -> f32 matmuls (AVX512-BF16 where the
-// CPU has it): exact products, f32 accumulation, as the f32 sgemm on the same values up to the order
-// of the sums and denormals (flushed). The operands are converted to bf16 (exactly) once per call, then
+// CPU has it; where its bf16 arithmetic is slow, f32 sgemm on the widened operands: Bf16MatmulWidens):
+// exact products, f32 accumulation, as the f32 sgemm on the same values up to the order of the sums and
+// denormals (flushed). The operands are converted to bf16 (exactly) once per call, then
 // `batches` independent products (A, B, C advanced by sa, sb, m*n elements) are split into row blocks
 // (column blocks when m < n) that depend only on the shapes, each one oneDNN call on one OpenMP thread in a TBB task; the
 // primitives are built at the first call per block shape and cached for the process.
