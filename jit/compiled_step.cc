@@ -846,7 +846,7 @@ void AddRowBlock(const void* context, int64_t chunk, float* dst) {
 }
 // The producer of a product's row blocks, which adds them in place where that keeps the bits.
 runtime::PartProducer RowBlockProducer(const ProductOperands& p) {
-  return {&ProduceRowBlock, &p, SgemmAddsExactly(p.m / p.blocks, p.n, p.k) ? &AddRowBlock : nullptr};
+  return {&ProduceRowBlock, &p, SgemmAddsExactly(p.ta, p.m / p.blocks, p.n, p.k) ? &AddRowBlock : nullptr};
 }
 }  // namespace
 

@@ -160,8 +160,9 @@ Block MakeBlock(ConvKind kind, const ConvShape& g, int64_t images, bool blocked,
   const memory::dims strides{g.sh, g.sw}, pad{g.ph, g.pw};
   // With exactly 16 channels in and out, NHWC is oneDNN's nChw16c byte for byte, whose direct avx512_core
   // kernels beat the brgemm ones it picks for nhwc (resnet20's 16-channel forward pass, ONEDNN_VERBOSE:
-  // 24.6 -> 18-19 ms of thread time per step).
-  if (user == Tag::nhwc && g.c == 16 && g.o == 16) user = Tag::nChw16c;
+  // 24.6 -> 18-19 ms of thread time per step). Not without avx512_core: oneDNN's AVX2 kernels block
+  // channels in 8s, and nChw16c there is its reference loop (0.4-1.7 s a call on resnet20's shapes).
+  if (user == Tag::nhwc && g.c == 16 && g.o == 16 && OnednnAvx512Core()) user = Tag::nChw16c;
   const Tag act = user != Tag::nchw ? user : blocked ? Tag::any : Tag::nchw, wt = blocked ? Tag::any : Tag::oihw;
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
@@ -266,7 +267,8 @@ bool WinogradFaster(ConvKind kind, const ConvShape& g, ConvTies ties, bool winog
 }
 }  // namespace
 
-bool WinogradCpu() { return !CpuHasAmx(); }  // see WinogradFaster
+// oneDNN 2.6 has Winograd kernels only for avx512_core.
+bool WinogradCpu() { return OnednnAvx512Core() && !CpuHasAmx(); }  // see WinogradFaster
 
 namespace {
 // Whether a channels-last input gradient runs as the forward pass of the turned filter (RunTurned):

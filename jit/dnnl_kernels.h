@@ -39,11 +39,11 @@ void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
 void SgemmRowBlockAdd(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                       int64_t ldb, int64_t blocks, int64_t block, float* dst);
 // Whether dnnl_sgemm(beta = 1) into C gives C + (the beta = 0 product) bit for bit for an m x n x k
-// product: one pass over k (k <= 256; longer ones are summed in k blocks into C, and differ) and no
-// matrix-vector shape (m or n < 8: its gemv kernel accumulates into C as it goes). Checked on oneDNN's
-// build here by dnnl_kernels_test ("beta = 1 adds the finished product"), which fails if an update
-// changes it.
-bool SgemmAddsExactly(int64_t m, int64_t n, int64_t k);
+// product: one pass over k (k <= 256, and with a transposed A k <= 96 on oneDNN's AVX2 kernels; longer
+// ones are summed in k blocks into C, and differ) and no matrix-vector shape (m or n < 8: its gemv
+// kernel accumulates into C as it goes). Checked on oneDNN's build here by jit_conformance_test
+// ("beta = 1 adds the finished product"), which fails if an update or another CPU changes it.
+bool SgemmAddsExactly(bool ta, int64_t m, int64_t n, int64_t k);
 
 // Whether StepSgemm computes this product turned around.
 bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k);
@@ -84,6 +84,10 @@ void WidenBf16Values(const uint16_t* h, int64_t count, float* x);
 // Whether oneDNN runs AMX kernels on this CPU (read once). Rules that choose a kernel by measurements
 // that differ between CPUs key on it, so one machine always computes the same bits.
 bool CpuHasAmx();
+// Whether oneDNN's kernels for this CPU are its avx512_core ones (read once). Without them (an AVX2
+// CPU) it has no bf16 matmul or convolution, no Winograd, blocked layouts of 8 channels, and an sgemm
+// that sums a transposed A's k in blocks of 96; rules that depend on those key on this.
+bool OnednnAvx512Core();
 
 // Threading policy. Debian's libdnnl uses OpenMP (libgomp), whose workers spin after each parallel
 // call and were seen taking half the machine from TBB. So every oneDNN call made by a step runs
