@@ -74,6 +74,11 @@ RowBlocks BlocksOf(int64_t m, int64_t n, int64_t k) {
   // benchmark on 2 cores, medians): bf16 0.47 -> 0.36 ms, 1.79 -> 1.37-1.43, 1.55-1.69 -> 1.35-1.37; f32
   // 10-15% faster.
   if (k >= 8 * std::max(m, n)) blocks = std::min<int64_t>(blocks, 2);
+  // oneDNN's AVX2 sgemm packs the whole undivided operand on every call, so each block past one per
+  // core packs it again: on an AMD Zen 3 guest (2 cores, /tmp micro-benchmark, medians of 41) the MLP's
+  // 8 GEMMs took 22-30 ms in 8 blocks, 13-15 in 4, 8.1-8.9 in 2 (oneDNN's own 2 threads: 8.1-8.7).
+  // The cores are the machine's, not the threads a call gets, so one machine keeps its bits.
+  if (!OnednnAvx512Core()) blocks = std::min<int64_t>(blocks, NumCores());
   blocks = std::min<int64_t>(blocks, std::max<int64_t>(1, m / 8));
   int64_t rows = (m + blocks - 1) / blocks;
   rows = (rows + 7) / 8 * 8;
