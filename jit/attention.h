@@ -67,5 +67,8 @@ void AttentionBackward(const AttentionShape& s, const void* q, const void* k, co
 // With bf16, p^T and ds^T are rounded to bf16 as the softmax loops write them; on (tests only), by a
 // separate pass over each instead, the form before: both must give the same bits.
 void SeparateRoundingForTesting(bool on);
+// On (tests only): the softmax loops' generic form, one query at a time, instead of the AVX-512 or AVX2
+// vectors of queries: both must give the same bits.
+void GenericSoftmaxForTesting(bool on);
 
 }  // namespace shardstep::jit
