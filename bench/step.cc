@@ -1097,12 +1097,19 @@ int PrecisionCompare(int rounds) {
               << *std::min_element(per_round.begin(), per_round.end()) << "-"
               << *std::max_element(per_round.begin(), per_round.end()) << "\n";
   }
-  GemmCompare();
+  if (jit::OnednnAvx512Core())
+    GemmCompare();
+  else
+    std::cout << "the MLP's GEMM set in oneDNN bf16 not measured: oneDNN has no bf16 matmul on this CPU (no avx512_core)\n";
   const double fma = FmaPeakGflops(), dot = Bf16DotPeakGflops();
-  std::cout << std::fixed << std::setprecision(1) << "this machine's peaks, " << jit::NumCores()
+  if (fma == 0)
+    std::cout << "this machine's peaks not measured (the chains are AVX-512 code; this CPU has no AVX-512F)\n";
+  else
+    std::cout << std::fixed << std::setprecision(1) << "this machine's peaks, " << jit::NumCores()
             << " threads of 12 chains: f32 FMA " << fma << " GFLOP/s, bf16 dot product (VDPBF16PS) " << dot
             << " GFLOP/s (bf16 / f32 " << std::setprecision(2) << (fma > 0 ? dot / fma : 0.0)
-            << "); bf16 matmuls run as " << (jit::Bf16MatmulWidens() ? "f32 sgemm on the widened operands" : "oneDNN bf16")
+            << ")\n";
+  std::cout << "bf16 matmuls run as " << (jit::Bf16MatmulWidens() ? "f32 sgemm on the widened operands" : "oneDNN bf16")
             << " here (jit::Bf16MatmulWidens)\n";
   return 0;
 }
