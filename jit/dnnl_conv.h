@@ -26,7 +26,7 @@ enum class ConvKind { kForward, kInputGrad, kFilterGrad };
 // the 16 -> 16 channel 3x3 stride-1 convolutions (resnet20's first
 // stage) take two faster routes: the filter gradient our own AVX-512 loops (jit/nhwc16_filter_grad.h),
 // the input gradient oneDNN's forward kernel with the filter turned (see ConvKernel::RunTurned). Where
-// Winograd pays (WinogradCpu), 3x3 stride-1 padding-1 convolutions with channels in 16s take our
+// Winograd pays (WinogradAllowed), 3x3 stride-1 padding-1 convolutions with channels in 16s take our
 // Winograd F(2x2, 3x3) loops (jit/winograd_nhwc.h) for the forward pass (not next to max pooling:
 // ConvTies), the filter gradient and, through the turned filter, the input gradient; oneDNN's kernel
 // stays for the calls whose weights or result are not all finite.
@@ -42,7 +42,9 @@ bool ChannelsLastAllowed();
 // Whether Winograd pays on this CPU at all (bench/conv: on an AMD CPU it did, on an Intel one with AMX
 // it did not); read once per process.
 bool WinogradCpu();
-// WinogradCpu, unless the environment variable SHARDSTEP_CONV asks for direct or im2col kernels.
+// Whether our channels-last Winograd loops (jit/winograd_nhwc.h) may run where they apply: on a CPU
+// where they pay (WinogradCpu, or one without AVX-512), unless the environment variable SHARDSTEP_CONV
+// asks for direct or im2col kernels.
 bool WinogradAllowed();
 // The faster path for this convolution by bench/conv's measurements: a rule on the shape (and ties)
 // and the CPU class alone, so the same module always computes the same bits on one machine.

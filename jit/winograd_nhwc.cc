@@ -1,5 +1,5 @@
-// Winograd F(2x2, 3x3) on NHWC activations as AVX-512 loops (see winograd_nhwc.h): the forward pass,
-// then the filter gradient.
+// Winograd F(2x2, 3x3) on NHWC activations (see winograd_nhwc.h): the loops (winograd_nhwc_loops.inc)
+// built once for AVX-512 and once for AVX2 + FMA, and the calls that run them over a batch.
 #include "jit/winograd_nhwc.h"
 
 #include <immintrin.h>
@@ -19,53 +19,13 @@
 namespace shardstep::jit {
 namespace {
 
-#define SS_AVX512 __attribute__((target("avx512f")))
-
-constexpr int64_t kLanes = 16;  // channels per vector
 constexpr int kPositions = 16;  // a 4x4 input tile's transformed positions, p = 4 i + j
 constexpr int64_t kMaxChannels = 256;
 
-// (GCC 12's plain gather warns of its unset source operand.)
-SS_AVX512 inline __m512 Gather(__m512i index, const float* base) {
-  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, index, base, 4);
-}
-
-// U[p][c][o] = (G g G^T)[i][j] for the filter g = w[o][c] (3x3), with
-// G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1]; 16 output channels per vector (their taps gathered).
-SS_AVX512 void TransformFilter(const ConvShape& g, const float* w, float* u) {
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(static_cast<int>(g.c * 9)));
-  const __m512 half = _mm512_set1_ps(0.5f);
-  for (int64_t o = 0; o < g.o; o += kLanes)
-    for (int64_t c = 0; c < g.c; ++c) {
-      const float* k = w + (o * g.c + c) * 9;
-      __m512 t[4][3];  // G g
-      for (int j = 0; j < 3; ++j) {
-        const __m512 k0 = Gather(lanes, k + j), k1 = Gather(lanes, k + 3 + j), k2 = Gather(lanes, k + 6 + j);
-        t[0][j] = k0;
-        t[1][j] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(k0, k1), k2));
-        t[2][j] = _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(k0, k1), k2));
-        t[3][j] = k2;
-      }
-      for (int i = 0; i < 4; ++i) {
-        const __m512 r[4] = {t[i][0], _mm512_mul_ps(half, _mm512_add_ps(_mm512_add_ps(t[i][0], t[i][1]), t[i][2])),
-                             _mm512_mul_ps(half, _mm512_add_ps(_mm512_sub_ps(t[i][0], t[i][1]), t[i][2])), t[i][2]};
-        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(u + ((4 * i + j) * g.c + c) * g.o + o, r[j]);
-      }
-    }
-}
-
-// How the output channels are blocked (OB vectors per product) and the most tiles per group for that
-// block: the T x OB accumulators and OB filter vectors fit in the 32 vector registers.
+// Output channels blocked OB vectors per product, and the most tiles per group for that block.
 struct Blocking {
   int ob, max_tiles;
 };
-Blocking BlockingOf(int64_t o) {
-  const int64_t vectors = o / kLanes;
-  if (vectors % 4 == 0) return {4, 6};
-  if (vectors % 2 == 0) return {2, 12};
-  return {1, 16};
-}
 
 // Output tiles walked in row-major order: one division per call, not two per tile (an integer
 // division costs about what a tile's input transform does with 16 channels).
@@ -77,287 +37,106 @@ struct TileWalk {
   }
 };
 
-// V = B^T d B of one patch d (16 vectors: one position's channels [c, c + 16)), stored at
-// v[p * stride_t].
-SS_AVX512 inline void TransformPatch(const __m512 (&d)[4][4], int64_t stride_t, float* v) {
-  __m512 r[4][4];  // B^T d
-  for (int j = 0; j < 4; ++j) {
-    r[0][j] = _mm512_sub_ps(d[0][j], d[2][j]);
-    r[1][j] = _mm512_add_ps(d[1][j], d[2][j]);
-    r[2][j] = _mm512_sub_ps(d[2][j], d[1][j]);
-    r[3][j] = _mm512_sub_ps(d[1][j], d[3][j]);
-  }
-  for (int i = 0; i < 4; ++i) {  // (B^T d) B
-    float* out = v + (4 * i) * stride_t;
-    _mm512_storeu_ps(out, _mm512_sub_ps(r[i][0], r[i][2]));
-    _mm512_storeu_ps(out + stride_t, _mm512_add_ps(r[i][1], r[i][2]));
-    _mm512_storeu_ps(out + 2 * stride_t, _mm512_sub_ps(r[i][2], r[i][1]));
-    _mm512_storeu_ps(out + 3 * stride_t, _mm512_sub_ps(r[i][1], r[i][3]));
-  }
-}
-
-// Input tiles [first, first + count) of one image into v[p][t][c] (t < count): d is the 4x4 patch
-// whose top-left input is (2 ty - 1, 2 tx - 1), zeros outside the image; V = B^T d B with
-// B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
-SS_AVX512 void TransformInput(const ConvShape& g, const float* x, int64_t tiles_w, int64_t first, int64_t count,
-                              int64_t stride_t, float* v) {
-  const int64_t c_all = g.c;
-  int64_t step[16];  // the positions' offsets from the patch's top-left input
-  for (int i = 0; i < 4; ++i)
-    for (int j = 0; j < 4; ++j) step[4 * i + j] = (i * g.w + j) * c_all;
-  TileWalk at(first, tiles_w);
-  for (int64_t t = 0; t < count; ++t, at.Next()) {
-    const int64_t y0 = 2 * at.ty - 1, x0 = 2 * at.tx - 1;
-    const int64_t base = (y0 * g.w + x0) * c_all;
-    float* vt = v + t * c_all;
-    __m512 d[4][4];
-    if (y0 >= 0 && y0 + 3 < g.h && x0 >= 0 && x0 + 3 < g.w) {  // the patch inside the image
-      const float* patch = x + base;
-      for (int64_t c = 0; c < c_all; c += kLanes) {
-        for (int i = 0; i < 4; ++i)
-          for (int j = 0; j < 4; ++j) d[i][j] = _mm512_loadu_ps(patch + step[4 * i + j] + c);
-        TransformPatch(d, stride_t, vt + c);
-      }
-      continue;
-    }
-    // On the border: each position's load mask (no lanes outside the image) and offset (0 there).
-    int64_t off[16];
-    __mmask16 in[16];
-    for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < 4; ++j) {
-        const int64_t inside = static_cast<uint64_t>(y0 + i) < static_cast<uint64_t>(g.h) &&
-                               static_cast<uint64_t>(x0 + j) < static_cast<uint64_t>(g.w);
-        off[4 * i + j] = (base + step[4 * i + j]) & -inside;
-        in[4 * i + j] = static_cast<__mmask16>(0xffff & -inside);
-      }
-    for (int64_t c = 0; c < c_all; c += kLanes) {
-      for (int i = 0; i < 4; ++i)
-        for (int j = 0; j < 4; ++j) d[i][j] = _mm512_maskz_loadu_ps(in[4 * i + j], x + off[4 * i + j] + c);
-      TransformPatch(d, stride_t, vt + c);
-    }
-  }
-}
-
-// m[t][ob vectors] = sum over c of v[t][c] u[c][ob vectors] for one position: T x OB accumulators,
-// each input value broadcast to OB products, each filter vector used by T. C: the input channels when
-// known at compile time (the broadcasts then address v at constant offsets), else 0.
-template <int T, int OB, int C>
-SS_AVX512 void Product(const float* v, const float* u, int64_t c_all, int64_t o_all, float* m) {
-  const int64_t cs = C > 0 ? C : c_all;
-  __m512 acc[T][OB];
-  {  // the first channel's products start the sums (zeroing the accumulators compiled to a memset)
-    __m512 uc[OB];
-    for (int b = 0; b < OB; ++b) uc[b] = _mm512_loadu_ps(u + b * kLanes);
-    for (int t = 0; t < T; ++t) {
-      const __m512 vt = _mm512_set1_ps(v[t * cs]);
-      for (int b = 0; b < OB; ++b) acc[t][b] = _mm512_mul_ps(vt, uc[b]);
-    }
-  }
-  for (int64_t c = 1; c < cs; ++c) {
-    __m512 uc[OB];
-    for (int b = 0; b < OB; ++b) uc[b] = _mm512_loadu_ps(u + c * o_all + b * kLanes);
-    for (int t = 0; t < T; ++t) {
-      const __m512 vt = _mm512_set1_ps(v[t * cs + c]);
-      for (int b = 0; b < OB; ++b) acc[t][b] = _mm512_fmadd_ps(vt, uc[b], acc[t][b]);
-    }
-  }
-  for (int t = 0; t < T; ++t)
-    for (int b = 0; b < OB; ++b) _mm512_storeu_ps(m + (t * OB + b) * kLanes, acc[t][b]);
-}
-
-using ProductFn = void (*)(const float*, const float*, int64_t, int64_t, float*);
-template <int OB, int C, int... Ts>
-constexpr std::array<ProductFn, sizeof...(Ts)> ProductTable(std::integer_sequence<int, Ts...>) {
-  return {&Product<Ts + 1, OB, C>...};
-}
-template <int C>
-ProductFn ProductOf(int tiles, int ob) {
-  static constexpr auto one = ProductTable<1, C>(std::make_integer_sequence<int, 16>());
-  static constexpr auto two = ProductTable<2, C>(std::make_integer_sequence<int, 12>());
-  static constexpr auto four = ProductTable<4, C>(std::make_integer_sequence<int, 6>());
-  return ob == 4 ? four[tiles - 1] : ob == 2 ? two[tiles - 1] : one[tiles - 1];
-}
-ProductFn ProductOf(int tiles, int ob, int64_t c) {
-  return c == 16 ? ProductOf<16>(tiles, ob) : c == 32 ? ProductOf<32>(tiles, ob) : c == 64 ? ProductOf<64>(tiles, ob)
-                                                                                         : ProductOf<0>(tiles, ob);
-}
-
-// Y = A^T M A (A^T = [1 1 1 0; 0 1 -1 -1]) of tiles [first, first + count), output channels
-// [o0, o0 + OB * 16), stored into the image's y where inside it; `bad` adds up y - y (NaN once a y is
-// an inf or a NaN).
-SS_AVX512 void TransformOutput(const ConvShape& g, const float* m, int64_t stride_p, int ob, int64_t tiles_w,
-                               int64_t first, int64_t count, int64_t o0, float* y, __m512& bad) {
-  TileWalk at(first, tiles_w);
-  for (int64_t t = 0; t < count; ++t, at.Next()) {
-    const int64_t ty = at.ty, tx = at.tx;
-    for (int b = 0; b < ob; ++b) {
-      const float* mt = m + (t * ob + b) * kLanes;
-      __m512 s[2][4];  // A^T M
-      for (int j = 0; j < 4; ++j) {
-        const __m512 m0 = _mm512_loadu_ps(mt + j * stride_p), m1 = _mm512_loadu_ps(mt + (4 + j) * stride_p);
-        const __m512 m2 = _mm512_loadu_ps(mt + (8 + j) * stride_p), m3 = _mm512_loadu_ps(mt + (12 + j) * stride_p);
-        s[0][j] = _mm512_add_ps(_mm512_add_ps(m0, m1), m2);
-        s[1][j] = _mm512_sub_ps(_mm512_sub_ps(m1, m2), m3);
-      }
-      for (int a = 0; a < 2; ++a) {
-        const int64_t row = 2 * ty + a;
-        if (row >= g.oh) continue;
-        const __m512 y0 = _mm512_add_ps(_mm512_add_ps(s[a][0], s[a][1]), s[a][2]);
-        const __m512 y1 = _mm512_sub_ps(_mm512_sub_ps(s[a][1], s[a][2]), s[a][3]);
-        float* out = y + (row * g.ow + 2 * tx) * g.o + o0 + b * kLanes;
-        _mm512_storeu_ps(out, y0);
-        bad = _mm512_add_ps(bad, _mm512_sub_ps(y0, y0));
-        if (2 * tx + 1 < g.ow) {
-          _mm512_storeu_ps(out + g.o, y1);
-          bad = _mm512_add_ps(bad, _mm512_sub_ps(y1, y1));
-        }
-      }
-    }
-  }
-}
-
-// One image: groups of `per_group` tiles (the last one shorter), each through the three stages.
-SS_AVX512 bool Image(const ConvShape& g, const float* x, const float* u, float* y, int64_t per_group, float* v,
-                     float* m) {
-  const Blocking bl = BlockingOf(g.o);
-  const int64_t tiles_h = (g.oh + 1) / 2, tiles_w = (g.ow + 1) / 2, tiles = tiles_h * tiles_w;
-  // (Strides one vector more than the positions' data, as in FilterGradImages.)
-  const int64_t stride_v = per_group * g.c + kLanes, stride_m = per_group * bl.ob * kLanes + kLanes;
-  __m512 bad = _mm512_setzero_ps();
-  for (int64_t first = 0; first < tiles; first += per_group) {
-    const int64_t count = std::min(per_group, tiles - first);
-    TransformInput(g, x, tiles_w, first, count, stride_v, v);
-    const ProductFn product = ProductOf(static_cast<int>(count), bl.ob, g.c);
-    for (int64_t o0 = 0; o0 < g.o; o0 += bl.ob * kLanes) {
-      for (int p = 0; p < kPositions; ++p) product(v + p * stride_v, u + p * g.c * g.o + o0, g.c, g.o, m + p * stride_m);
-      TransformOutput(g, m, stride_m, bl.ob, tiles_w, first, count, o0, y, bad);
-    }
-  }
-  return _mm512_cmp_ps_mask(bad, bad, _CMP_UNORD_Q) == 0;
-}
-
-// The filter gradient: dW = G^T [ (A dY A^T) (.) (B^T d B) ] G summed over the tiles (the forward
-// identity transposed: dY's tile (2x2, zero beyond the output) transformed, d the input patch as in the
-// forward pass), A = [1 0; 1 1; 1 -1; 0 -1], G^T = [1 1/2 1/2 0; 0 1/2 -1/2 0; 0 1/2 1/2 1].
-
-// Output-gradient tiles [first, first + count) of one image into w[p][t][o]: W = A e A^T.
-SS_AVX512 void TransformGrad(const ConvShape& g, const float* dy, int64_t tiles_w, int64_t first, int64_t count,
-                             int64_t stride_t, float* w) {
-  const __m512 zero = _mm512_setzero_ps();
-  TileWalk at(first, tiles_w);
-  for (int64_t t = 0; t < count; ++t, at.Next()) {
-    const int64_t ty = at.ty, tx = at.tx;
-    int64_t off[2][2];
-    __mmask16 in[2][2];
-    for (int a = 0; a < 2; ++a)
-      for (int b = 0; b < 2; ++b) {
-        const int64_t inside = 2 * ty + a < g.oh && 2 * tx + b < g.ow;
-        off[a][b] = ((2 * ty + a) * g.ow + 2 * tx + b) * g.o & -inside;
-        in[a][b] = static_cast<__mmask16>(0xffff & -inside);
-      }
-    for (int64_t o = 0; o < g.o; o += kLanes) {
-      __m512 e[2][2];
-      for (int a = 0; a < 2; ++a)
-        for (int b = 0; b < 2; ++b) e[a][b] = _mm512_maskz_loadu_ps(in[a][b], dy + off[a][b] + o);
-      __m512 r[4][2];  // A e
-      for (int b = 0; b < 2; ++b) {
-        r[0][b] = e[0][b];
-        r[1][b] = _mm512_add_ps(e[0][b], e[1][b]);
-        r[2][b] = _mm512_sub_ps(e[0][b], e[1][b]);
-        r[3][b] = _mm512_sub_ps(zero, e[1][b]);
-      }
-      for (int i = 0; i < 4; ++i) {  // (A e) A^T
-        float* out = w + (4 * i) * stride_t + t * g.o + o;
-        _mm512_storeu_ps(out, r[i][0]);
-        _mm512_storeu_ps(out + stride_t, _mm512_add_ps(r[i][0], r[i][1]));
-        _mm512_storeu_ps(out + 2 * stride_t, _mm512_sub_ps(r[i][0], r[i][1]));
-        _mm512_storeu_ps(out + 3 * stride_t, _mm512_sub_ps(zero, r[i][1]));
-      }
-    }
-  }
-}
-
-// m[c][o] += sum over t of v[t][c] w[t][o] for one position, channels [c0, c0 + CB) and output vectors
-// [o0, o0 + OB * 16): CB x OB accumulators over the tiles in order.
-template <int CB, int OB>
-SS_AVX512 void AccumulateProduct(const float* v, const float* w, int64_t tiles, int64_t c_all, int64_t o_all, int64_t c0,
-                                 int64_t o0, float* m) {
-  __m512 acc[CB][OB];
-  for (int i = 0; i < CB; ++i)
-    for (int b = 0; b < OB; ++b) acc[i][b] = _mm512_loadu_ps(m + (c0 + i) * o_all + o0 + b * kLanes);
-  for (int64_t t = 0; t < tiles; ++t) {
-    __m512 wt[OB];
-    for (int b = 0; b < OB; ++b) wt[b] = _mm512_loadu_ps(w + t * o_all + o0 + b * kLanes);
-    for (int i = 0; i < CB; ++i) {
-      const __m512 vi = _mm512_set1_ps(v[t * c_all + c0 + i]);
-      for (int b = 0; b < OB; ++b) acc[i][b] = _mm512_fmadd_ps(vi, wt[b], acc[i][b]);
-    }
-  }
-  for (int i = 0; i < CB; ++i)
-    for (int b = 0; b < OB; ++b) _mm512_storeu_ps(m + (c0 + i) * o_all + o0 + b * kLanes, acc[i][b]);
-}
-
-// Tiles transformed per sweep over the sums m: a sweep loads and stores all of m (16 x C x O floats:
-// 256 KB with 64 channels), so it runs over several images' tiles at once.
+// Tiles transformed per sweep over the filter gradient's sums m: a sweep loads and stores all of m
+// (16 x C x O floats: 256 KB with 64 channels), so it runs over several images' tiles at once.
 constexpr int64_t kTilesPerSweep = 64;
 int64_t ImagesPerSweep(const ConvShape& g) {
   const int64_t tiles = ((g.oh + 1) / 2) * ((g.ow + 1) / 2);
   return std::max<int64_t>(1, kTilesPerSweep / std::max<int64_t>(tiles, 1));
 }
 
-// Images [first, last) added into m[p][c][o]: per sweep its images' tiles transformed (v, w), then per
-// position the products over those tiles in order.
-SS_AVX512 void FilterGradImages(const ConvShape& g, const float* x, const float* dy, int64_t first, int64_t last, float* v,
-                                float* w, float* m) {
-  const int64_t tiles_w = (g.ow + 1) / 2, tiles = ((g.oh + 1) / 2) * tiles_w, per_sweep = ImagesPerSweep(g);
-  const int ob = BlockingOf(g.o).ob, cb = 16 / ob;  // 16 accumulators
-  for (int64_t n0 = first; n0 < last; n0 += per_sweep) {
-    const int64_t images = std::min(per_sweep, last - n0), k = images * tiles;
-    // (One vector more per position: strides of a power of two put the 16 positions' stores of a tile
-    // in one L1 set.)
-    const int64_t stride_v = k * g.c + kLanes, stride_w = k * g.o + kLanes;
-    for (int64_t i = 0; i < images; ++i) {
-      TransformInput(g, x + (n0 + i) * g.h * g.w * g.c, tiles_w, 0, tiles, stride_v, v + i * tiles * g.c);
-      TransformGrad(g, dy + (n0 + i) * g.oh * g.ow * g.o, tiles_w, 0, tiles, stride_w, w + i * tiles * g.o);
-    }
-    for (int p = 0; p < kPositions; ++p) {
-      const float* vp = v + p * stride_v;
-      const float* wp = w + p * stride_w;
-      float* mp = m + p * g.c * g.o;
-      for (int64_t c0 = 0; c0 < g.c; c0 += cb)
-        for (int64_t o0 = 0; o0 < g.o; o0 += ob * kLanes) {
-          if (ob == 4) AccumulateProduct<4, 4>(vp, wp, k, g.c, g.o, c0, o0, mp);
-          else if (ob == 2) AccumulateProduct<8, 2>(vp, wp, k, g.c, g.o, c0, o0, mp);
-          else AccumulateProduct<16, 1>(vp, wp, k, g.c, g.o, c0, o0, mp);
-        }
-    }
-  }
-}
+// One instruction set's loops (winograd_nhwc_loops.inc).
+struct LoopSet {
+  int64_t lanes;
+  int64_t min_channels;  // the fewest input and output channels where the loops beat oneDNN's direct kernel
+  Blocking (*blocking)(int64_t o);
+  void (*transform_filter)(const ConvShape& g, const float* w, float* u);
+  bool (*image)(const ConvShape& g, const float* x, const float* u, float* y, int64_t per_group, float* v, float* m);
+  void (*filter_grad_images)(const ConvShape& g, const float* x, const float* dy, int64_t first, int64_t last, float* v,
+                             float* w, float* m);
+  void (*transform_filter_grad)(const ConvShape& g, const float* m, float* dw);
+};
 
-// dw[o][c] (3x3, OIHW) = G^T M G of m[p][c][o], 16 output channels per vector (scattered to OIHW).
-SS_AVX512 void TransformFilterGrad(const ConvShape& g, const float* m, float* dw) {
-  const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(static_cast<int>(g.c * 9)));
-  const __m512 half = _mm512_set1_ps(0.5f);
-  for (int64_t c = 0; c < g.c; ++c)
-    for (int64_t o = 0; o < g.o; o += kLanes) {
-      __m512 q[3][4];  // G^T M
-      for (int j = 0; j < 4; ++j) {
-        const __m512 m0 = _mm512_loadu_ps(m + ((0 + j) * g.c + c) * g.o + o), m1 = _mm512_loadu_ps(m + ((4 + j) * g.c + c) * g.o + o);
-        const __m512 m2 = _mm512_loadu_ps(m + ((8 + j) * g.c + c) * g.o + o), m3 = _mm512_loadu_ps(m + ((12 + j) * g.c + c) * g.o + o);
-        const __m512 sum = _mm512_mul_ps(half, _mm512_add_ps(m1, m2));
-        q[0][j] = _mm512_add_ps(m0, sum);
-        q[1][j] = _mm512_mul_ps(half, _mm512_sub_ps(m1, m2));
-        q[2][j] = _mm512_add_ps(sum, m3);
-      }
-      float* out = dw + (o * g.c + c) * 9;
-      for (int k = 0; k < 3; ++k) {  // (G^T M) G
-        const __m512 sum = _mm512_mul_ps(half, _mm512_add_ps(q[k][1], q[k][2]));
-        _mm512_i32scatter_ps(out + 3 * k, lanes, _mm512_add_ps(q[k][0], sum), 4);
-        _mm512_i32scatter_ps(out + 3 * k + 1, lanes, _mm512_mul_ps(half, _mm512_sub_ps(q[k][1], q[k][2])), 4);
-        _mm512_i32scatter_ps(out + 3 * k + 2, lanes, _mm512_add_ps(sum, q[k][3]), 4);
-      }
-    }
+// Every function from the push to the pop is compiled for AVX-512 Foundation alone.
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+struct V {
+  using F = __m512;
+  using Mask = __mmask16;
+  static constexpr int64_t kLanes = 16;
+  // 32 registers: T x OB accumulators + OB filter vectors + a broadcast.
+  static constexpr int kWidestBlock = 4, kTilesOb4 = 6, kTilesOb2 = 12, kTilesOb1 = 16;
+  static constexpr int kFilterGradAccumulators = 16;
+  static constexpr int64_t kMinChannels = 32;  // (16: no faster than oneDNN's direct kernel, winograd_nhwc.h)
+  static F Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static Mask MaskOf(bool inside) { return static_cast<Mask>(inside ? 0xffff : 0); }
+  static F LoadOrZero(Mask in, const float* p) { return _mm512_maskz_loadu_ps(in, p); }
+  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F Set1(float x) { return _mm512_set1_ps(x); }
+  static F Zero() { return _mm512_setzero_ps(); }
+  static __m512i Lanes(int stride) {
+    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                              _mm512_set1_epi32(stride));
+  }
+  // (GCC 12's plain gather warns of its unset source operand.)
+  static F GatherStride(const float* p, int stride) {
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, Lanes(stride), p, 4);
+  }
+  static void ScatterStride(float* p, int stride, F v) { _mm512_i32scatter_ps(p, Lanes(stride), v, 4); }
+  static bool AnyUnordered(F v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+};
+#include "jit/winograd_nhwc_loops.inc"
+#pragma GCC pop_options
+}  // namespace avx512
+
+// Every function from the push to the pop is compiled for AVX2 and FMA alone.
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+struct V {
+  using F = __m256;
+  using Mask = __m256i;
+  static constexpr int64_t kLanes = 8;
+  // 16 registers: 6 x 2 accumulators + 2 filter vectors + a broadcast (channels come in 16s: two vectors).
+  static constexpr int kWidestBlock = 2, kTilesOb4 = 2, kTilesOb2 = 6, kTilesOb1 = 12;
+  static constexpr int kFilterGradAccumulators = 12;
+  static constexpr int64_t kMinChannels = 16;  // (16 pays here: winograd_nhwc.h)
+  static F Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static Mask MaskOf(bool inside) { return _mm256_set1_epi32(inside ? -1 : 0); }
+  static F LoadOrZero(Mask in, const float* p) { return _mm256_maskload_ps(p, in); }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F Set1(float x) { return _mm256_set1_ps(x); }
+  static F Zero() { return _mm256_setzero_ps(); }
+  static F GatherStride(const float* p, int stride) {
+    return _mm256_i32gather_ps(p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)),
+                               4);
+  }
+  static void ScatterStride(float* p, int stride, F v) {  // (AVX2 has no scatter)
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int i = 0; i < 8; ++i) p[i * stride] = lanes[i];
+  }
+  static bool AnyUnordered(F v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+};
+#include "jit/winograd_nhwc_loops.inc"
+#pragma GCC pop_options
+}  // namespace avx2
+
+// The widest loops this CPU runs (read once per process), or none.
+const LoopSet* CpuLoops() {
+  static const LoopSet* loops = __builtin_cpu_supports("avx512f")                                         ? &avx512::kLoops
+                                : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &avx2::kLoops
+                                                                                                    : nullptr;
+  return loops;
 }
 
 // Whether any of v[0, n) is an inf or a NaN.
@@ -371,21 +150,28 @@ bool AnyNonFinite(const float* v, int64_t n) {
 }  // namespace
 
 bool WinogradNhwcApplies(const ConvShape& g) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512 && g.kh == 3 && g.kw == 3 && g.sh == 1 && g.sw == 1 && g.ph == 1 && g.pw == 1 && g.c % kLanes == 0 &&
-         g.o % kLanes == 0 && g.c >= 32 && g.o >= 32 && g.c <= kMaxChannels && g.o <= kMaxChannels && g.oh == g.h &&
-         g.ow == g.w && g.h > 0 && g.w > 0;
+  const LoopSet* loops = CpuLoops();
+  return loops && g.kh == 3 && g.kw == 3 && g.sh == 1 && g.sw == 1 && g.ph == 1 && g.pw == 1 && g.c % 16 == 0 &&
+         g.o % 16 == 0 && g.c >= loops->min_channels && g.o >= loops->min_channels && g.c <= kMaxChannels &&
+         g.o <= kMaxChannels && g.oh == g.h && g.ow == g.w && g.h > 0 && g.w > 0;
+}
+
+const char* WinogradNhwcIsa() {
+  const LoopSet* loops = CpuLoops();
+  return !loops ? "none" : loops->lanes == 16 ? "avx512" : "avx2";
 }
 
 bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, float* y) {
+  const LoopSet& loops = *CpuLoops();
+  const int64_t lanes = loops.lanes;
   thread_local std::vector<float> u;  // the calling thread's transformed filter
   if (static_cast<int64_t>(u.size()) < kPositions * g.c * g.o) u.resize(kPositions * g.c * g.o);
-  TransformFilter(g, w, u.data());
+  loops.transform_filter(g, w, u.data());
   // Groups of tiles: as few as the register blocking allows, of equal size but the last.
-  const Blocking bl = BlockingOf(g.o);
+  const Blocking bl = loops.blocking(g.o);
   const int64_t tiles = ((g.oh + 1) / 2) * ((g.ow + 1) / 2);
   const int64_t groups = (tiles + bl.max_tiles - 1) / bl.max_tiles, per_group = (tiles + groups - 1) / groups;
-  const int64_t v_size = kPositions * (per_group * g.c + kLanes);
+  const int64_t v_size = kPositions * (per_group * g.c + lanes);
   const int64_t image_in = g.h * g.w * g.c, image_out = g.oh * g.ow * g.o;
   std::atomic<bool> finite{true};
   const float* uu = u.data();
@@ -393,7 +179,7 @@ bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, flo
   // run its first image of a shape in any step, and then finds its scratch made.
   thread_local std::vector<std::vector<float>> caller_slots;
   std::vector<std::vector<float>>& slots = caller_slots;  // (in the tasks, the caller's: not their own)
-  const size_t need = static_cast<size_t>(v_size + kPositions * (per_group * bl.ob * kLanes + kLanes));
+  const size_t need = static_cast<size_t>(v_size + kPositions * (per_group * bl.ob * lanes + lanes));
   slots.resize(std::max(tbb::this_task_arena::max_concurrency(), tbb::info::default_concurrency()));
   for (std::vector<float>& slot : slots)
     if (slot.size() < need) slot.resize(need);
@@ -401,7 +187,7 @@ bool WinogradNhwcForward(const ConvShape& g, const float* x, const float* w, flo
     const int index = std::max(0, tbb::this_task_arena::current_thread_index());
     SS_CHECK(index < static_cast<int>(slots.size()), "thread slot ", index, " beyond the Winograd loops' ", slots.size());
     float* scratch = slots[index].data();
-    if (!Image(g, x + n * image_in, uu, y + n * image_out, per_group, scratch, scratch + v_size))
+    if (!loops.image(g, x + n * image_in, uu, y + n * image_out, per_group, scratch, scratch + v_size))
       finite.store(false, std::memory_order_relaxed);
   });
   return finite.load();
@@ -411,9 +197,11 @@ bool WinogradNhwcFilterGrad(const ConvShape& g, const float* x, const float* dy,
   // Fixed groups of images (as the other filter-gradient paths), each group's sums in one order
   // (image, position, tile), the groups added in order: the same bits on any number of threads.
   constexpr int64_t kGroups = 8;
+  const LoopSet& loops = *CpuLoops();
+  const int64_t lanes = loops.lanes;
   const int64_t tiles = ((g.oh + 1) / 2) * ((g.ow + 1) / 2), part = kPositions * g.c * g.o;
   const int64_t sweep = std::min(ImagesPerSweep(g), std::max<int64_t>(g.n, 1)) * tiles;
-  const int64_t v_size = kPositions * (sweep * g.c + kLanes), w_size = kPositions * (sweep * g.o + kLanes);
+  const int64_t v_size = kPositions * (sweep * g.c + lanes), w_size = kPositions * (sweep * g.o + lanes);
   // Per calling thread: the groups' sums; per TBB thread slot: an image's transformed tiles.
   thread_local std::vector<float> caller_parts;
   thread_local std::vector<std::vector<float>> caller_slots;
@@ -430,13 +218,13 @@ bool WinogradNhwcFilterGrad(const ConvShape& g, const float* x, const float* dy,
     float* m = parts.data() + group * part;
     std::fill_n(m, part, 0.0f);
     float* scratch = slots[index].data();
-    FilterGradImages(g, x, dy, std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group), scratch,
+    loops.filter_grad_images(g, x, dy, std::min(g.n, group * per_group), std::min(g.n, (group + 1) * per_group), scratch,
                      scratch + v_size, m);
   });
   float* m = parts.data();
   for (int64_t group = 1; group < kGroups; ++group)
     for (int64_t i = 0; i < part; ++i) m[i] += parts[group * part + i];
-  TransformFilterGrad(g, m, dw);
+  loops.transform_filter_grad(g, m, dw);
   return !AnyNonFinite(dw, g.o * g.c * 9);
 }
 

@@ -1,4 +1,5 @@
-// Winograd F(2x2, 3x3) convolution on channels-last (NHWC) activations, as AVX-512 loops: the forward
+// Winograd F(2x2, 3x3) convolution on channels-last (NHWC) activations, as AVX-512 or AVX2 loops (one
+// body, jit/winograd_nhwc_loops.inc, built for each; the widest the CPU has runs): the forward
 // pass and the filter gradient of a 3x3, stride-1, padding-1 convolution with input and output channels
 // in multiples of 16 from 32 (and, through the turned filter, its input gradient: ConvKernel::RunTurned).
 //
@@ -12,8 +13,11 @@
 // transform (Y = A^T M A) stored straight into the NHWC output: the activations are read and written
 // once, as by the direct kernel. The filter gradient is the same identity transposed: dW = G^T [(A dY
 // A^T) (.) (B^T d B)] G summed over the tiles, the products over the tiles of several images per sweep.
-// With 16 channels the transforms cost as much as the multiplies they save (bench/conv: 0.93-1.45x the
-// direct kernel's time, slower in the step), so those stay on oneDNN and the 16-channel loops.
+// With 16 channels on AVX-512 the transforms cost as much as the multiplies they save (bench/conv:
+// 0.93-1.45x the direct kernel's time, slower in the step), so those stay on oneDNN and the 16-channel
+// loops there. On AVX2 (AMD Zen 3, bench/conv at 28x28, batch 128), where oneDNN's direct kernels run
+// at 55-75% of the FMA peak, the loops take 0.7-0.8x the direct time forward with 16-64 channels,
+// 0.6-0.9x in the gradients, and resnet20's step 195 -> 151 ms: they take 16 channels too.
 //
 // Numbers: the transforms add and halve exactly up to f32 rounding; the result differs from the
 // direct sum in the last bits (within the conformance tolerance of the interpreter's, as oneDNN's
@@ -31,8 +35,11 @@
 namespace shardstep::jit {
 
 // Whether these loops compute this convolution (3x3, stride 1, padding 1, input and output channels
-// multiples of 16 from 32 up to 256) on this CPU (AVX-512 Foundation, read once per process).
+// multiples of 16 from 32 (AVX-512) or 16 (AVX2) up to 256) on this CPU (AVX-512 Foundation, or AVX2 with FMA; read once per
+// process).
 bool WinogradNhwcApplies(const ConvShape& g);
+// The loops this CPU runs: "avx512", "avx2" or "none".
+const char* WinogradNhwcIsa();
 
 // x [n, h, w, c] (NHWC), w [o, c, 3, 3] (OIHW, finite) -> y [n, h, w, o] (NHWC). Returns false when an
 // output is an inf or a NaN (y then holds values the caller must recompute). Scratch per thread, grown

@@ -82,8 +82,8 @@ jit::ConvKind KindOf(OpCode op) {
 
 TEST_CASE("channels-last Winograd matches the interpreter and gives the same bits on any number of threads",
           "[jit][conv]") {
-  if (!__builtin_cpu_supports("avx512f")) {
-    WARN("no AVX-512: the Winograd loops are not used here");
+  if (std::string(jit::WinogradNhwcIsa()) == "none") {
+    WARN("neither AVX-512 nor AVX2: the Winograd loops are not used here");
     return;
   }
   jit::ConfigureThreadsForReplica(1);
@@ -93,6 +93,7 @@ TEST_CASE("channels-last Winograd matches the interpreter and gives the same bit
       {2, 48, 32, 5, 6},    // three input vectors, two output vectors; odd height
       {2, 32, 80, 9, 4},    // five output vectors (one per product)
       {3, 32, 64, 1, 1},    // one tile, all but the centre tap on padding
+      {2, 16, 16, 28, 28},  // resnet20's first stage (the loops take it on AVX2 only)
   };
   uint32_t seed = 41;
   for (const Case& k : cases)
@@ -110,8 +111,9 @@ TEST_CASE("channels-last Winograd matches the interpreter and gives the same bit
       const int64_t ca = op == OpCode::kConv2dInputGrad ? k.o : k.c, co = forward ? k.o : filter ? 0 : k.c;
       const auto kernel = jit::PlannedChannelsLastConv(KindOf(op), ShapeOf(k), jit::ConvTies::kFree);
       REQUIRE(kernel);
-      if (jit::WinogradAllowed()) {
-        CHECK_THAT(kernel->Describe(), Catch::Contains("winograd-f2x2-avx512"));
+      const bool applies = jit::WinogradAllowed() && jit::WinogradNhwcApplies(ShapeOf(k));
+      if (applies) {
+        CHECK_THAT(kernel->Describe(), Catch::Contains(std::string("winograd-f2x2-") + jit::WinogradNhwcIsa()));
         CHECK(kernel->winograd());
       }
       auto run = [&] {
@@ -127,7 +129,7 @@ TEST_CASE("channels-last Winograd matches the interpreter and gives the same bit
       Tensor one;
       tbb::task_arena(1).execute([&] { one = run(); });
       CHECK(SameBits(one, got));
-      if (op != OpCode::kConv2dInputGrad) {  // the loops alone: the same bits as through the kernel
+      if (applies && op != OpCode::kConv2dInputGrad) {  // the loops alone: the same bits as through the kernel
         const Tensor alone = RunNhwc(
             [&](const float* a, const float* b, float* out) {
               CHECK((forward ? jit::WinogradNhwcForward : jit::WinogradNhwcFilterGrad)(ShapeOf(k), a, b, out));
@@ -143,7 +145,7 @@ TEST_CASE("channels-last Winograd matches the interpreter and gives the same bit
 // forward pass). For the filter gradient, an inf input or output gradient (in an image's corner: its
 // padded taps meet it, where the interpreter multiplies a padded zero).
 TEST_CASE("an inf input or weight on the Winograd path gives the direct path's bits", "[jit][conv]") {
-  if (!__builtin_cpu_supports("avx512f") || !jit::WinogradAllowed()) {
+  if (std::string(jit::WinogradNhwcIsa()) == "none" || !jit::WinogradAllowed()) {
     WARN("the Winograd loops are not used here");
     return;
   }
@@ -184,7 +186,8 @@ TEST_CASE("an inf input or weight on the Winograd path gives the direct path's b
     }
 }
 
-TEST_CASE("only 3x3 stride-1 padding-1 convolutions with channels in 16s (from 32) take the Winograd loops",
+TEST_CASE("only 3x3 stride-1 padding-1 convolutions with channels in 16s (from 32; on AVX2 from 16) take the "
+          "Winograd loops",
           "[jit][conv]") {
   const jit::ConvShape base = ShapeOf({4, 32, 32, 8, 8});
   jit::ConvShape strided = base, unpadded = base, five = base, narrow = base, sixteen = base;
@@ -195,9 +198,10 @@ TEST_CASE("only 3x3 stride-1 padding-1 convolutions with channels in 16s (from 3
   five.kh = five.kw = 5;
   five.ph = five.pw = 2;
   narrow.c = 40;  // not a multiple of 16
-  sixteen.c = sixteen.o = 16;  // oneDNN's direct kernel was faster in the step (bench/conv)
-  for (const jit::ConvShape& g : {strided, unpadded, five, narrow, sixteen}) CHECK_FALSE(jit::WinogradNhwcApplies(g));
-  CHECK(jit::WinogradNhwcApplies(base) == static_cast<bool>(__builtin_cpu_supports("avx512f")));
+  sixteen.c = sixteen.o = 16;  // on AVX-512 oneDNN's direct kernel was faster in the step (bench/conv)
+  for (const jit::ConvShape& g : {strided, unpadded, five, narrow}) CHECK_FALSE(jit::WinogradNhwcApplies(g));
+  CHECK(jit::WinogradNhwcApplies(sixteen) == (std::string(jit::WinogradNhwcIsa()) == "avx2"));
+  CHECK(jit::WinogradNhwcApplies(base) == (std::string(jit::WinogradNhwcIsa()) != "none"));
   // Where equal patches must give equal outputs (max pooling in the module), the forward pass stays direct;
   // the gradients take it either way.
   const auto exact = jit::PlannedChannelsLastConv(jit::ConvKind::kForward, base, jit::ConvTies::kExact);
