@@ -187,11 +187,11 @@ class Rewrite {
   }
 
   // Whether max pooling (or its gradient) u has an NHWC loop here: f32, 2x2 windows with stride 2 and no
-  // padding over even heights and widths (jit/max_pool_2x2.h), on AVX-512.
+  // padding over even heights and widths (jit/max_pool_2x2.h), on AVX-512 or AVX2.
   bool PoolTakes(ValueId u) const {
     const ir::Instr& in = m_.at(u);
     const ir::Shape& x = m_.type(in.operands[0]).shape;
-    if (in.type.dtype != ir::DType::kF32 || x.size() != 4 || !MaxPool2x2Vectorised()) return false;
+    if (in.type.dtype != ir::DType::kF32 || x.size() != 4 || !MaxPool2x2NhwcVectorised()) return false;
     for (ValueId o : in.operands)
       if (m_.type(o).dtype != ir::DType::kF32) return false;
     const ir::IntList& k = in.GetInts("window");

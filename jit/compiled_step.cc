@@ -2038,7 +2038,7 @@ void CompiledStep::RunInstr(ValueId v, const StepBinding& b, int replica, runtim
       float* y = static_cast<float*>(out);
       if (in.GetInt(kNhwcAttr, 0) != 0) {  // channels-last (jit/channels_last.h): 2x2 windows, stride 2
         const Shape& s = shape(0);
-        SS_CHECK(MaxPool2x2Vectorised(), "channels-last pooling %", v, " without its AVX-512 loops");
+        SS_CHECK(MaxPool2x2NhwcVectorised(), "channels-last pooling %", v, " without its vector loops");
         const NhwcPool g{s[0], s[1], s[2], s[3]};
         if (in.op == OpCode::kMaxPool) MaxPool2x2Nhwc(g, x, y);
         else MaxPool2x2GradNhwc(g, x, static_cast<const float*>(P(1)), y, in.GetInt(kReluMaskAttr, 0) != 0);

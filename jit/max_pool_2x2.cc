@@ -7,8 +7,41 @@
 
 #include <algorithm>
 
+#include "jit/simd.h"
+
 namespace shardstep::jit {
 namespace {
+
+// Channels-last: output pixels [begin, end) (image, row, column in row-major order), each window's four
+// candidates c channels apart in a row and w * c apart between its rows, a vector of channels at a time.
+struct Pixels {
+  int64_t oh, ow, w, c;
+  explicit Pixels(const NhwcPool& g) : oh(g.h / 2), ow(g.w / 2), w(g.w), c(g.c) {}
+  int64_t Window(int64_t q) const {  // offset of pixel q's window's top-left candidate
+    const int64_t img = q / (oh * ow), r = q % (oh * ow), oy = r / ow, ox = r % ow;
+    return ((img * 2 * oh + 2 * oy) * w + 2 * ox) * c;
+  }
+};
+
+// The first-maximum rule and the channels-last loops (jit/max_pool_2x2_loops.inc), built for AVX-512
+// (the NCHW loops below use its rule too) and for AVX2 + FMA (jit/simd.h): selects only, the same bits.
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+using V = simd::Avx512;
+#include "jit/max_pool_2x2_loops.inc"
+#pragma GCC pop_options
+}  // namespace avx512
+
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+using V = simd::Avx2;
+#include "jit/max_pool_2x2_loops.inc"
+#pragma GCC pop_options
+}  // namespace avx2
+using avx512::Takes;
+using avx512::Winners;
 
 #define SS_AVX512 __attribute__((target("avx512f")))
 
@@ -35,31 +68,6 @@ template <typename Body>
 void InRowBlocks(const PoolShape& g, Body body) {
   tbb::parallel_for(tbb::blocked_range<int64_t>(0, g.planes * g.oh, 256),
                     [&](const tbb::blocked_range<int64_t>& r) { body(r.begin(), r.end()); });
-}
-
-// Lanes where candidate c replaces the current maximum b: c > b, or c is a NaN and b is not.
-SS_AVX512 inline __mmask16 Takes(__m512 c, __m512 b) {
-  return _mm512_cmp_ps_mask(c, b, _CMP_GT_OQ) |
-         (_mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q) & _mm512_cmp_ps_mask(b, b, _CMP_ORD_Q));
-}
-
-// wins[i]: the lanes where candidate i (row-major) is its window's first maximum, and with kReluMask
-// also > 0 (false for a NaN, as the IR's comparison). Inlined into the loops (see Rows).
-template <bool kReluMask>
-SS_AVX512 __attribute__((always_inline)) inline void Winners(const __m512 c[4], __mmask16 wins[4]) {
-  // take[i]: candidate i is the first maximum so far; a later one clears the earlier ones.
-  __m512 b = c[0];
-  __mmask16 take[4] = {0, 0, 0, 0};
-  for (int i = 1; i < 4; ++i) {
-    take[i] = Takes(c[i], b);
-    b = _mm512_mask_blend_ps(take[i], b, c[i]);
-  }
-  wins[3] = take[3];
-  wins[2] = take[2] & ~take[3];
-  wins[1] = take[1] & ~take[2] & ~take[3];
-  wins[0] = ~(take[1] | take[2] | take[3]);
-  if (kReluMask)
-    for (int i = 0; i < 4; ++i) wins[i] &= _mm512_cmp_ps_mask(c[i], _mm512_setzero_ps(), _CMP_GT_OQ);
 }
 
 // The four candidates of outputs j0 .. j0 + 15 of one output row are loaded in each loop (rows r0, r1 of
@@ -127,58 +135,6 @@ SS_AVX512 void GradRows(const Rows g, const float* __restrict x, const float* __
   }
 }
 
-// Channels-last: output pixels [begin, end) (image, row, column in row-major order), each window's four
-// candidates c channels apart in a row and w * c apart between its rows, 16 channels at a time.
-struct Pixels {
-  int64_t oh, ow, w, c;
-  explicit Pixels(const NhwcPool& g) : oh(g.h / 2), ow(g.w / 2), w(g.w), c(g.c) {}
-  int64_t Window(int64_t q) const {  // offset of pixel q's window's top-left candidate
-    const int64_t img = q / (oh * ow), r = q % (oh * ow), oy = r / ow, ox = r % ow;
-    return ((img * 2 * oh + 2 * oy) * w + 2 * ox) * c;
-  }
-};
-
-SS_AVX512 void ForwardPixelsNhwc(const Pixels g, const float* __restrict x, float* __restrict y, int64_t begin,
-                                 int64_t end) {
-  const int64_t right = g.c, down = g.w * g.c;
-  for (int64_t q = begin; q < end; ++q) {
-    const float* top = x + g.Window(q);
-    float* out = y + q * g.c;
-    for (int64_t c0 = 0; c0 < g.c; c0 += kLanes) {
-      const __mmask16 lanes = FirstLanes(g.c - c0);
-      const float* at = top + c0;
-      __m512 b = _mm512_maskz_loadu_ps(lanes, at);
-      const float* later[3] = {at + right, at + down, at + down + right};
-      for (int i = 0; i < 3; ++i) {
-        const __m512 c = _mm512_maskz_loadu_ps(lanes, later[i]);
-        b = _mm512_mask_blend_ps(Takes(c, b), b, c);
-      }
-      _mm512_mask_storeu_ps(out + c0, lanes, b);
-    }
-  }
-}
-
-template <bool kReluMask>
-SS_AVX512 void GradPixelsNhwc(const Pixels g, const float* __restrict x, const float* __restrict dy,
-                              float* __restrict dx, int64_t begin, int64_t end) {
-  const int64_t right = g.c, down = g.w * g.c;
-  const int64_t offsets[4] = {0, right, down, down + right};
-  const __m512 zero = _mm512_setzero_ps();
-  for (int64_t q = begin; q < end; ++q) {
-    const int64_t top = g.Window(q);
-    for (int64_t c0 = 0; c0 < g.c; c0 += kLanes) {
-      const __mmask16 lanes = FirstLanes(g.c - c0);
-      __m512 c[4];
-      for (int i = 0; i < 4; ++i) c[i] = _mm512_maskz_loadu_ps(lanes, x + top + offsets[i] + c0);
-      __mmask16 wins[4];
-      Winners<kReluMask>(c, wins);
-      // 0 + dy, as the interpreter accumulates; +0 where a candidate does not win.
-      const __m512 d = _mm512_add_ps(zero, _mm512_maskz_loadu_ps(lanes, dy + q * g.c + c0));
-      for (int i = 0; i < 4; ++i) _mm512_mask_storeu_ps(dx + top + offsets[i] + c0, lanes, _mm512_maskz_mov_ps(wins[i], d));
-    }
-  }
-}
-
 // Output pixels in blocks of about 4096 channel values as TBB tasks (a lambda would not inherit the target).
 template <typename Body>
 void InPixelBlocks(const NhwcPool& g, Body body) {
@@ -191,10 +147,9 @@ void InPixelBlocks(const NhwcPool& g, Body body) {
 
 }  // namespace
 
-bool MaxPool2x2Vectorised() {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512;
-}
+bool MaxPool2x2Vectorised() { return simd::CpuLanes() == 16; }
+
+bool MaxPool2x2NhwcVectorised() { return simd::CpuLanes() > 0; }
 
 void MaxPool2x2(const PoolShape& g, const float* x, float* y) {
   const Rows rows(g);
@@ -211,14 +166,18 @@ void MaxPool2x2Grad(const PoolShape& g, const float* x, const float* dy, float* 
 
 void MaxPool2x2Nhwc(const NhwcPool& g, const float* x, float* y) {
   const Pixels pixels(g);
-  InPixelBlocks(g, [&](int64_t begin, int64_t end) { ForwardPixelsNhwc(pixels, x, y, begin, end); });
+  const bool wide = simd::CpuLanes() == 16;
+  InPixelBlocks(g, [&](int64_t begin, int64_t end) {
+    (wide ? avx512::ForwardPixelsNhwc : avx2::ForwardPixelsNhwc)(pixels, x, y, begin, end);
+  });
 }
 
 void MaxPool2x2GradNhwc(const NhwcPool& g, const float* x, const float* dy, float* dx, bool relu_mask) {
   const Pixels pixels(g);
+  const bool wide = simd::CpuLanes() == 16;
   InPixelBlocks(g, [&](int64_t begin, int64_t end) {
-    if (relu_mask) GradPixelsNhwc<true>(pixels, x, dy, dx, begin, end);
-    else GradPixelsNhwc<false>(pixels, x, dy, dx, begin, end);
+    if (wide) (relu_mask ? avx512::GradPixelsNhwc<true> : avx512::GradPixelsNhwc<false>)(pixels, x, dy, dx, begin, end);
+    else (relu_mask ? avx2::GradPixelsNhwc<true> : avx2::GradPixelsNhwc<false>)(pixels, x, dy, dx, begin, end);
   });
 }
 

@@ -5,15 +5,17 @@
 // 7 or 14 outputs (Fashion-MNIST's CNN) are vector work too; GCC's own vectorisation of the scalar loop
 // (jit/cpu_kernels.cc) left them to scalar tails. The results are the scalar loops' bits: selects only,
 // and the gradient's 0 + dy. The channels-last forms (jit/channels_last.h) take the same rule on NHWC
-// activations, 16 channels of one window position at a time: no shuffles.
+// activations, 16 channels (AVX2: 8) of one window position at a time: no shuffles.
 #pragma once
 
 #include "jit/cpu_kernels.h"
 
 namespace shardstep::jit {
 
-// Whether this CPU runs the loops below (AVX-512 Foundation; read once per process).
+// Whether this CPU runs the NCHW loops below (AVX-512 Foundation; read once per process).
 bool MaxPool2x2Vectorised();
+// Whether it runs the channels-last ones (AVX-512 Foundation, or AVX2 with FMA).
+bool MaxPool2x2NhwcVectorised();
 
 // Requires g 2x2, stride 2, no padding. y[plane, i, j] = the first maximum of x's window (2i.., 2j..).
 void MaxPool2x2(const PoolShape& g, const float* x, float* y);

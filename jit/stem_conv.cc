@@ -1,4 +1,5 @@
-// The one-input-channel 3x3 convolution as direct AVX-512 loops (see stem_conv.h).
+// The one-input-channel 3x3 convolution as direct AVX-512 loops, the channels-last forms also as AVX2
+// loops (see stem_conv.h).
 #include "jit/stem_conv.h"
 
 #include <immintrin.h>
@@ -6,6 +7,8 @@
 
 #include <algorithm>
 #include <vector>
+
+#include "jit/simd.h"
 
 namespace shardstep::jit {
 namespace {
@@ -123,85 +126,39 @@ SS_AVX512 void FilterGradGroup(const ConvShape& g, const float* x, const float* 
 }
 
 // Channels-last (jit/channels_last.h): the output and its gradient NHWC, [n, h, w, o], o a multiple of
-// 16; the image is the same bytes in both layouts. Lanes run over 16 output channels of one pixel.
+// 16; the image is the same bytes in both layouts. Lanes run over output channels of one pixel, so the
+// AVX-512 and AVX2 builds of these loops (jit/stem_conv_nhwc_loops.inc, jit/simd.h) give the same bits.
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+using V = simd::Avx512;
+constexpr int64_t kPixelsPerStep = 8;  // 8 accumulators + 9 tap weights + a broadcast of 32 registers
+#include "jit/stem_conv_nhwc_loops.inc"
+#pragma GCC pop_options
+}  // namespace avx512
 
-// The 9 weights of 16 output channels, tap-major: wt[k] lane l = w[o0 + l][k].
-SS_AVX512 __attribute__((always_inline)) inline void LoadTapWeights(const float* w, int64_t o0, __m512* wt) {
-  alignas(64) float t[9][kLanes];
-  for (int64_t l = 0; l < kLanes; ++l)
-    for (int k = 0; k < 9; ++k) t[k][l] = w[(o0 + l) * 9 + k];
-#pragma GCC unroll 9
-  for (int k = 0; k < 9; ++k) wt[k] = _mm512_load_ps(t[k]);
-}
-
-// Eight pixels of a row at a time (eight independent FMA chains); each output is the NCHW loops' sum,
-// tap 0 times its weight and then taps 1..8 added in order by FMAs: the same bits.
-constexpr int64_t kPixelsPerStep = 8;
-
-SS_AVX512 void ForwardImagesNhwc(const ConvShape& g, const float* x, const float* w, float* y, int64_t first,
-                                 int64_t last, float* scratch) {
-  const int64_t plane = g.h * g.w;
-  for (int64_t n = first; n < last; ++n) {
-    const PaddedImage p = Pad(g, x + n * plane, scratch);
-    float* const out = y + n * plane * g.o;
-    for (int64_t o0 = 0; o0 < g.o; o0 += kLanes) {
-      __m512 wt[9];
-      LoadTapWeights(w, o0, wt);
-      for (int64_t r = 0; r < g.h; ++r)
-        for (int64_t c0 = 0; c0 < g.w; c0 += kPixelsPerStep) {
-          const int64_t pixels = std::min(kPixelsPerStep, g.w - c0);
-          __m512 acc[kPixelsPerStep];
-          const float* base = p.cells + r * p.stride + c0;  // tap (0, 0) of pixel c0
-#pragma GCC unroll 8
-          for (int64_t i = 0; i < kPixelsPerStep; ++i) acc[i] = _mm512_mul_ps(_mm512_set1_ps(base[i]), wt[0]);
-#pragma GCC unroll 8
-          for (int k = 1; k < 9; ++k) {
-            const float* tap = base + (k / 3) * p.stride + k % 3;
-#pragma GCC unroll 8
-            for (int64_t i = 0; i < kPixelsPerStep; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(tap[i]), wt[k], acc[i]);
-          }
-          float* yp = out + (r * g.w + c0) * g.o + o0;
-          for (int64_t i = 0; i < pixels; ++i) _mm512_storeu_ps(yp + i * g.o, acc[i]);
-        }
-    }
-  }
-}
-
-// One group's sum over images [first, last): part[k * o + oc], image by image, row by row, pixel by
-// pixel, each lane one output channel (no lane sums).
-SS_AVX512 void FilterGradGroupNhwc(const ConvShape& g, const float* x, const float* dy, int64_t first, int64_t last,
-                                   float* part, float* scratch) {
-  const int64_t plane = g.h * g.w;
-  std::fill_n(part, 9 * g.o, 0.0f);
-  for (int64_t n = first; n < last; ++n) {
-    const PaddedImage p = Pad(g, x + n * plane, scratch);
-    const float* d = dy + n * plane * g.o;
-    for (int64_t o0 = 0; o0 < g.o; o0 += kLanes) {
-      __m512 acc[9];
-#pragma GCC unroll 9
-      for (int k = 0; k < 9; ++k) acc[k] = _mm512_loadu_ps(part + k * g.o + o0);
-      for (int64_t r = 0; r < g.h; ++r)
-        for (int64_t c = 0; c < g.w; ++c) {
-          const __m512 grad = _mm512_loadu_ps(d + (r * g.w + c) * g.o + o0);
-          const float* base = p.cells + r * p.stride + c;
-#pragma GCC unroll 9
-          for (int k = 0; k < 9; ++k)
-            acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(base[(k / 3) * p.stride + k % 3]), grad, acc[k]);
-        }
-#pragma GCC unroll 9
-      for (int k = 0; k < 9; ++k) _mm512_storeu_ps(part + k * g.o + o0, acc[k]);
-    }
-  }
-}
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+using V = simd::Avx2;
+constexpr int64_t kPixelsPerStep = 4;  // of 16 registers
+#include "jit/stem_conv_nhwc_loops.inc"
+#pragma GCC pop_options
+}  // namespace avx2
 
 #undef SS_AVX512
 
 }  // namespace
 
+namespace {
+bool StemShape(const ConvShape& g) {
+  return g.c == 1 && g.kh == 3 && g.kw == 3 && g.sh == 1 && g.sw == 1 && g.ph == 1 && g.pw == 1 && g.oh == g.h &&
+         g.ow == g.w && g.n > 0 && g.o > 0 && g.h > 0 && g.w > 0;
+}
+}  // namespace
+
 bool StemConvApplies(const ConvShape& g) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-  return avx512 && g.c == 1 && g.kh == 3 && g.kw == 3 && g.sh == 1 && g.sw == 1 && g.ph == 1 && g.pw == 1 &&
-         g.oh == g.h && g.ow == g.w && g.n > 0 && g.o > 0 && g.h > 0 && g.w > 0;
+  return simd::CpuLanes() == 16 && StemShape(g);
 }
 
 namespace {
@@ -247,19 +204,23 @@ void StemConvFilterGrad(const ConvShape& g, const float* x, const float* dy, flo
     for (int64_t j = 0; j < size; ++j) dw[j] += parts[group * size + j];
 }
 
-bool StemConvNhwcApplies(const ConvShape& g) { return StemConvApplies(g) && g.o % kLanes == 0; }
+bool StemConvNhwcApplies(const ConvShape& g) { return simd::CpuLanes() > 0 && StemShape(g) && g.o % 16 == 0; }
 
 void StemConvForwardNhwc(const ConvShape& g, const float* x, const float* w, float* y) {
   // (A padded row of 16k + 2 cells holds every 8-pixel step's taps: the pixels past the image read
   // zeros and are not stored.)
-  ForwardTasks(g, [&](int64_t first, int64_t last, float* scratch) { ForwardImagesNhwc(g, x, w, y, first, last, scratch); });
+  const bool wide = simd::CpuLanes() == 16;
+  ForwardTasks(g, [&](int64_t first, int64_t last, float* scratch) {
+    (wide ? avx512::ForwardImagesNhwc : avx2::ForwardImagesNhwc)(g, x, w, y, first, last, scratch);
+  });
 }
 
 void StemConvFilterGradNhwc(const ConvShape& g, const float* x, const float* dy, float* dw) {
+  const bool wide = simd::CpuLanes() == 16;
   const int64_t size = g.o * 9;
   const float* parts = FilterGradGroups(g, size, PaddedSize(g), [&](int64_t first, int64_t last, float* part,
                                                                     float* scratch) {
-    FilterGradGroupNhwc(g, x, dy, first, last, part, scratch);
+    (wide ? avx512::FilterGradGroupNhwc : avx2::FilterGradGroupNhwc)(g, x, dy, first, last, part, scratch);
   });
   // dw[o][k] = the groups' part[k][o], added in group order.
   for (int64_t o = 0; o < g.o; ++o)

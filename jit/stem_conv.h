@@ -1,5 +1,6 @@
 // A network's first convolution over one input channel (a grey image), 3x3, stride 1, padding 1, as
-// direct AVX-512 loops: the forward pass and the filter gradient (the input has no gradient).
+// direct AVX-512 loops (the channels-last forms also AVX2): the forward pass and the filter gradient
+// (the input has no gradient).
 //
 // With one input channel, im2col + sgemm multiplies a 9-row column matrix (K = 9: sgemm's worst
 // shape) and oneDNN's blocked kernels pad the channel to a block of 16. Here a row segment of 16
@@ -32,7 +33,8 @@ void StemConvFilterGrad(const ConvShape& g, const float* x, const float* dy, flo
 
 // The same on channels-last activations (jit/channels_last.h), for o a multiple of 16: y and dy are
 // [n, h, w, o] (the image [n, h, w, 1] is the same bytes as [n, 1, h, w]). The forward pass gives the
-// NCHW loops' bits; the filter gradient sums each group's terms in another order.
+// NCHW loops' bits; the filter gradient sums each group's terms in another order. These two also run
+// on AVX2 CPUs (the same loops built for AVX2 + FMA, the same bits).
 bool StemConvNhwcApplies(const ConvShape& g);
 void StemConvForwardNhwc(const ConvShape& g, const float* x, const float* w, float* y);
 void StemConvFilterGradNhwc(const ConvShape& g, const float* x, const float* dy, float* dw);

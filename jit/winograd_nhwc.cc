@@ -2,7 +2,6 @@
 // built once for AVX-512 and once for AVX2 + FMA, and the calls that run them over a batch.
 #include "jit/winograd_nhwc.h"
 
-#include <immintrin.h>
 #include <tbb/info.h>
 #include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "ir/error.h"
+#include "jit/simd.h"
 
 namespace shardstep::jit {
 namespace {
@@ -57,86 +57,36 @@ struct LoopSet {
   void (*transform_filter_grad)(const ConvShape& g, const float* m, float* dw);
 };
 
-// Every function from the push to the pop is compiled for AVX-512 Foundation alone.
+// Each namespace's loops compiled for its instruction set alone (jit/simd.h), with the register
+// blocking for its register count: T x OB accumulators + OB filter vectors + a broadcast.
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f")
-struct V {
-  using F = __m512;
-  using Mask = __mmask16;
-  static constexpr int64_t kLanes = 16;
-  // 32 registers: T x OB accumulators + OB filter vectors + a broadcast.
-  static constexpr int kWidestBlock = 4, kTilesOb4 = 6, kTilesOb2 = 12, kTilesOb1 = 16;
-  static constexpr int kFilterGradAccumulators = 16;
+using V = simd::Avx512;
+struct Block {
+  static constexpr int kWidest = 4, kTilesOb4 = 6, kTilesOb2 = 12, kTilesOb1 = 16, kFilterGradAccumulators = 16;
   static constexpr int64_t kMinChannels = 32;  // (16: no faster than oneDNN's direct kernel, winograd_nhwc.h)
-  static F Load(const float* p) { return _mm512_loadu_ps(p); }
-  static void Store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static Mask MaskOf(bool inside) { return static_cast<Mask>(inside ? 0xffff : 0); }
-  static F LoadOrZero(Mask in, const float* p) { return _mm512_maskz_loadu_ps(in, p); }
-  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
-  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
-  static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F Set1(float x) { return _mm512_set1_ps(x); }
-  static F Zero() { return _mm512_setzero_ps(); }
-  static __m512i Lanes(int stride) {
-    return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                              _mm512_set1_epi32(stride));
-  }
-  // (GCC 12's plain gather warns of its unset source operand.)
-  static F GatherStride(const float* p, int stride) {
-    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xffff, Lanes(stride), p, 4);
-  }
-  static void ScatterStride(float* p, int stride, F v) { _mm512_i32scatter_ps(p, Lanes(stride), v, 4); }
-  static bool AnyUnordered(F v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
 };
 #include "jit/winograd_nhwc_loops.inc"
 #pragma GCC pop_options
 }  // namespace avx512
 
-// Every function from the push to the pop is compiled for AVX2 and FMA alone.
 namespace avx2 {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-struct V {
-  using F = __m256;
-  using Mask = __m256i;
-  static constexpr int64_t kLanes = 8;
-  // 16 registers: 6 x 2 accumulators + 2 filter vectors + a broadcast (channels come in 16s: two vectors).
-  static constexpr int kWidestBlock = 2, kTilesOb4 = 2, kTilesOb2 = 6, kTilesOb1 = 12;
-  static constexpr int kFilterGradAccumulators = 12;
+using V = simd::Avx2;
+struct Block {  // (channels come in 16s: two vectors, so OB is 2)
+  static constexpr int kWidest = 2, kTilesOb4 = 2, kTilesOb2 = 6, kTilesOb1 = 12, kFilterGradAccumulators = 12;
   static constexpr int64_t kMinChannels = 16;  // (16 pays here: winograd_nhwc.h)
-  static F Load(const float* p) { return _mm256_loadu_ps(p); }
-  static void Store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static Mask MaskOf(bool inside) { return _mm256_set1_epi32(inside ? -1 : 0); }
-  static F LoadOrZero(Mask in, const float* p) { return _mm256_maskload_ps(p, in); }
-  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
-  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F Set1(float x) { return _mm256_set1_ps(x); }
-  static F Zero() { return _mm256_setzero_ps(); }
-  static F GatherStride(const float* p, int stride) {
-    return _mm256_i32gather_ps(p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)),
-                               4);
-  }
-  static void ScatterStride(float* p, int stride, F v) {  // (AVX2 has no scatter)
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, v);
-    for (int i = 0; i < 8; ++i) p[i * stride] = lanes[i];
-  }
-  static bool AnyUnordered(F v) { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
 };
 #include "jit/winograd_nhwc_loops.inc"
 #pragma GCC pop_options
 }  // namespace avx2
 
-// The widest loops this CPU runs (read once per process), or none.
+// The widest loops this CPU runs, or none.
 const LoopSet* CpuLoops() {
-  static const LoopSet* loops = __builtin_cpu_supports("avx512f")                                         ? &avx512::kLoops
-                                : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? &avx2::kLoops
-                                                                                                    : nullptr;
-  return loops;
+  const int64_t lanes = simd::CpuLanes();
+  return lanes == 16 ? &avx512::kLoops : lanes == 8 ? &avx2::kLoops : nullptr;
 }
 
 // Whether any of v[0, n) is an inf or a NaN.

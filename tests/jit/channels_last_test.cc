@@ -18,6 +18,7 @@
 #include "jit/compiled_step.h"
 #include "jit/data_movement.h"
 #include "jit/max_pool_2x2.h"
+#include "jit/stem_conv.h"
 #include "runtime/interpreter.h"
 #include "tests/jit/conv_test_util.h"
 
@@ -206,12 +207,13 @@ TEST_CASE("channels-last: a convolution with fewer than 8 channels stays NCHW", 
 
 // image (one channel) -> stem conv (16) -> relu -> conv -> relu -> conv = y; dy (an input) through the
 // stem's filter gradient: the stem runs channels-last by the stem loops, its image reshaped (no copy).
+// (Seven columns: a row tail on AVX-512's 8-pixel steps and on AVX2's 4-pixel ones.)
 TEST_CASE("channels-last: a one-channel stem runs NHWC when two convolutions follow it", "[jit][conv]") {
-  if (!__builtin_cpu_supports("avx512f")) {
-    WARN("no AVX-512: no stem loops here");
+  constexpr int64_t kC = 16;
+  if (!jit::StemConvNhwcApplies({kN, 1, kH, kW, kC, 3, 3, 1, 1, 1, 1, kH, kW})) {
+    WARN("neither AVX-512 nor AVX2: no stem loops here");
     return;
   }
-  constexpr int64_t kC = 16;
   ir::Module m;
   ir::Builder b(&m);
   const ir::Shape act{kN, kC, kH, kW};
@@ -321,15 +323,16 @@ TEST_CASE("channels-last sums over rows keep Reduce's order for every channel co
   }
 }
 
-// The NHWC max pooling loops give the NCHW loops' bits, element for element after the transpose: values
-// from a small set (ties everywhere, zeros that relu's mask drops, NaNs that win), channel counts with
-// and without a 16-lane tail, the gradient with and without the mask.
-TEST_CASE("channels-last 2x2 max pooling and its gradient are the NCHW loops' bits", "[jit]") {
-  if (!jit::MaxPool2x2Vectorised()) {
-    WARN("no AVX-512: no pooling loops here");
+// The NHWC max pooling loops give the NCHW kernels' bits (the AVX-512 loops, or the scalar ones on an
+// AVX2 CPU), element for element after the transpose: values from a small set (ties everywhere, zeros
+// that relu's mask drops, NaNs that win), channel counts with and without a 16- or 8-lane tail, the
+// gradient with and without the mask.
+TEST_CASE("channels-last 2x2 max pooling and its gradient are the NCHW kernels' bits", "[jit]") {
+  if (!jit::MaxPool2x2NhwcVectorised()) {
+    WARN("neither AVX-512 nor AVX2: no pooling loops here");
     return;
   }
-  for (int64_t c : {16, 20, 32, 64}) {
+  for (int64_t c : {16, 20, 32, 64, 12}) {
     constexpr int64_t n = 3, h = 6, w = 10;
     const float kValues[] = {-1.0f, 0.0f, -0.0f, 1.0f, 2.0f, NAN};
     std::mt19937 rng(static_cast<uint32_t>(c));
@@ -352,7 +355,7 @@ TEST_CASE("channels-last 2x2 max pooling and its gradient are the NCHW loops' bi
     const jit::PoolShape g{n * c, h, w, 2, 2, 2, 2, h / 2, w / 2, 0};
     const jit::NhwcPool gn{n, h, w, c};
     std::vector<float> y(dy.size()), yn(dy.size());
-    jit::MaxPool2x2(g, x.data(), y.data());
+    jit::MaxPool(g, x.data(), y.data());
     jit::MaxPool2x2Nhwc(gn, to_nhwc(x, h, w).data(), yn.data());
     INFO(c << " channels");
     const std::vector<float> y_as_nhwc = to_nhwc(y, h / 2, w / 2);
@@ -360,7 +363,7 @@ TEST_CASE("channels-last 2x2 max pooling and its gradient are the NCHW loops' bi
     for (bool relu_mask : {false, true}) {
       INFO("relu mask " << relu_mask);
       std::vector<float> dx(x.size()), dxn(x.size(), 7.0f);  // every element written
-      jit::MaxPool2x2Grad(g, x.data(), dy.data(), dx.data(), relu_mask);
+      jit::MaxPoolGrad(g, x.data(), dy.data(), dx.data(), relu_mask);
       jit::MaxPool2x2GradNhwc(gn, to_nhwc(x, h, w).data(), to_nhwc(dy, h / 2, w / 2).data(), dxn.data(), relu_mask);
       const std::vector<float> dx_as_nhwc = to_nhwc(dx, h, w);
       REQUIRE(std::memcmp(dxn.data(), dx_as_nhwc.data(), 4 * dx.size()) == 0);
@@ -374,8 +377,8 @@ TEST_CASE("channels-last 2x2 max pooling and its gradient are the NCHW loops' bi
 // convolution after the stem runs NHWC too, and only the features and their gradient are transposed.
 TEST_CASE("channels-last: a stem, a convolution and max pooling run NHWC, transposed only at the features",
           "[jit][conv]") {
-  if (!jit::MaxPool2x2Vectorised()) {
-    WARN("no AVX-512: no stem or pooling loops here");
+  if (!jit::MaxPool2x2NhwcVectorised()) {
+    WARN("neither AVX-512 nor AVX2: no stem or pooling loops here");
     return;
   }
   constexpr int64_t n = 3, c1 = 16, c2 = 32, hw = 8, feats = c2 * (hw / 4) * (hw / 4);
