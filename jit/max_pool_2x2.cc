@@ -25,21 +25,8 @@ struct Pixels {
 
 // The first-maximum rule and the channels-last loops (jit/max_pool_2x2_loops.inc), built for AVX-512
 // (the NCHW loops below use its rule too) and for AVX2 + FMA (jit/simd.h): selects only, the same bits.
-namespace avx512 {
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-using V = simd::Avx512;
-#include "jit/max_pool_2x2_loops.inc"
-#pragma GCC pop_options
-}  // namespace avx512
-
-namespace avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-using V = simd::Avx2;
-#include "jit/max_pool_2x2_loops.inc"
-#pragma GCC pop_options
-}  // namespace avx2
+#define SS_SIMD_BODY "jit/max_pool_2x2_loops.inc"
+#include "jit/simd_each_target.inc"
 using avx512::Takes;
 using avx512::Winners;
 

@@ -128,23 +128,8 @@ SS_AVX512 void FilterGradGroup(const ConvShape& g, const float* x, const float* 
 // Channels-last (jit/channels_last.h): the output and its gradient NHWC, [n, h, w, o], o a multiple of
 // 16; the image is the same bytes in both layouts. Lanes run over output channels of one pixel, so the
 // AVX-512 and AVX2 builds of these loops (jit/stem_conv_nhwc_loops.inc, jit/simd.h) give the same bits.
-namespace avx512 {
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-using V = simd::Avx512;
-constexpr int64_t kPixelsPerStep = 8;  // 8 accumulators + 9 tap weights + a broadcast of 32 registers
-#include "jit/stem_conv_nhwc_loops.inc"
-#pragma GCC pop_options
-}  // namespace avx512
-
-namespace avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-using V = simd::Avx2;
-constexpr int64_t kPixelsPerStep = 4;  // of 16 registers
-#include "jit/stem_conv_nhwc_loops.inc"
-#pragma GCC pop_options
-}  // namespace avx2
+#define SS_SIMD_BODY "jit/stem_conv_nhwc_loops.inc"
+#include "jit/simd_each_target.inc"
 
 #undef SS_AVX512
 

@@ -57,31 +57,9 @@ struct LoopSet {
   void (*transform_filter_grad)(const ConvShape& g, const float* m, float* dw);
 };
 
-// Each namespace's loops compiled for its instruction set alone (jit/simd.h), with the register
-// blocking for its register count: T x OB accumulators + OB filter vectors + a broadcast.
-namespace avx512 {
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-using V = simd::Avx512;
-struct Block {
-  static constexpr int kWidest = 4, kTilesOb4 = 6, kTilesOb2 = 12, kTilesOb1 = 16, kFilterGradAccumulators = 16;
-  static constexpr int64_t kMinChannels = 32;  // (16: no faster than oneDNN's direct kernel, winograd_nhwc.h)
-};
-#include "jit/winograd_nhwc_loops.inc"
-#pragma GCC pop_options
-}  // namespace avx512
-
-namespace avx2 {
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-using V = simd::Avx2;
-struct Block {  // (channels come in 16s: two vectors, so OB is 2)
-  static constexpr int kWidest = 2, kTilesOb4 = 2, kTilesOb2 = 6, kTilesOb1 = 12, kFilterGradAccumulators = 12;
-  static constexpr int64_t kMinChannels = 16;  // (16 pays here: winograd_nhwc.h)
-};
-#include "jit/winograd_nhwc_loops.inc"
-#pragma GCC pop_options
-}  // namespace avx2
+// The loops built for AVX-512 and for AVX2 (jit/simd_each_target.inc).
+#define SS_SIMD_BODY "jit/winograd_nhwc_loops.inc"
+#include "jit/simd_each_target.inc"
 
 // The widest loops this CPU runs, or none.
 const LoopSet* CpuLoops() {
