@@ -10,6 +10,7 @@
 
 #include <immintrin.h>
 
+#include <atomic>
 #include <cstdint>
 
 namespace shardstep::jit::simd {
@@ -109,12 +110,18 @@ struct Avx2 {
 #undef SS_SIMD_AVX512
 #undef SS_SIMD_AVX2
 
-// The widest of the two this CPU runs (read once per process): 16 or 8 lanes, or 0 for neither.
-inline int64_t CpuLanes() {
-  static const int64_t lanes = __builtin_cpu_supports("avx512f")                                         ? 16
-                               : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8
-                                                                                                   : 0;
+// The widest of the two this CPU runs (read once per process): 16 or 8 lanes, or 0 for neither; or the
+// narrower one a test asked for (LanesForTesting).
+inline std::atomic<int64_t>& LanesForTesting() {  // 0: the CPU's choice
+  static std::atomic<int64_t> lanes{0};
   return lanes;
+}
+inline int64_t CpuLanes() {
+  static const int64_t cpu = __builtin_cpu_supports("avx512f")                                         ? 16
+                             : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 8
+                                                                                                 : 0;
+  const int64_t asked = LanesForTesting().load(std::memory_order_relaxed);
+  return asked > 0 && asked < cpu ? asked : cpu;
 }
 
 }  // namespace shardstep::jit::simd
