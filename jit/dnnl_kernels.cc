@@ -2,6 +2,7 @@
 #include "jit/dnnl_kernels.h"
 #include "jit/dnnl_runtime.h"
 #include "jit/data_movement.h"
+#include "jit/small_gemm.h"
 
 #include <cpuid.h>
 #include <dlfcn.h>
@@ -116,6 +117,8 @@ void SgemmRowBlockBeta(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const 
   thread_local const bool single = (SetOmpThreads(1), true);
   (void)single;
   const int64_t rows = m / blocks, first = block * rows;
+  if (SmallGemmApplies(ta, tb, rows, n, k))
+    return SmallGemm(ta, tb, rows, n, k, a + (ta ? first : first * lda), lda, b, ldb, beta != 0.0f, dst, n);
   DnnlSgemm(ta, tb, rows, n, k, a + (ta ? first : first * lda), lda, b, ldb, beta, dst, n);
 }
 }  // namespace
@@ -133,6 +136,7 @@ void SgemmRowBlockAdd(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const f
 }
 
 bool SgemmAddsExactly(bool ta, int64_t m, int64_t n, int64_t k) {
+  if (SmallGemmApplies(ta, false, m, n, k)) return true;  // SmallGemm adds the finished product
   // oneDNN 2.6's AVX2 sgemm sums a transposed A in k blocks of 96 (found on an AMD Zen 3 guest: k = 96
   // exact for every shape tried, k = 97 not); its avx512_core one in blocks of 256 either way.
   const int64_t one_pass = ta && !OnednnAvx512Core() ? 96 : 256;
@@ -174,6 +178,7 @@ void TurnedSgemmNT(int64_t m, int64_t n, int64_t k, const float* a, const float*
 
 void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float* c) {
+  if (SmallGemmApplies(ta, tb, m, n, k)) return ParallelSmallGemm(ta, tb, m, n, k, a, lda, b, ldb, c);
   if (SgemmTurnsAround(ta, tb, m, n, k) && lda == k && ldb == k) return TurnedSgemmNT(m, n, k, a, b, c);
   ParallelSgemm(ta, tb, m, n, k, a, lda, b, ldb, c);
 }

@@ -18,7 +18,8 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
                    int64_t ldb, float* c);
 
 // A step's 2-D matmul, called from the replica thread (not from a TBB task: it may use that thread's
-// scratch). As ParallelSgemm, except C = A B^T with few rows and a leading dimension that is a multiple
+// scratch). jit::SmallGemm where its rule takes the shape (a replica's slice of the batch at N >= 4 on
+// an AVX2 CPU: jit/small_gemm.h). Else as ParallelSgemm, except C = A B^T with few rows and a leading dimension that is a multiple
 // of 512 floats (a replica's slice of the batch times a weight in the backward pass: dX = dY W^T) is
 // computed turned around, C^T = B A^T, and transposed back. oneDNN packs B^T for each such call, and
 // B's rows 2 KiB apart alias in the cache: at m = 16, n = k = 1024 the direct call is 3.2x slower
@@ -28,7 +29,8 @@ void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a
 // C = op(A) op(B) in `blocks` equal row blocks (m % blocks == 0), each one single-threaded dnnl_sgemm
 // call (TBB tasks): a weight gradient summed across `blocks` replicas, whose chunks are its row blocks.
 // SgemmRowBlock computes one block into any row-major [m / blocks, n] buffer with the same call, so
-// the same bits: a member of the sum can compute its chunk of every replica's product itself.
+// the same bits: a member of the sum can compute its chunk of every replica's product itself. A block
+// jit::SmallGemmApplies to (k, the replica's rows, <= 32) runs there.
 void RowBlockSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                    int64_t ldb, int64_t blocks, float* c);
 void SgemmRowBlock(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
@@ -43,6 +45,7 @@ void SgemmRowBlockAdd(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const f
 // ones are summed in k blocks into C, and differ) and no matrix-vector shape (m or n < 8: its gemv
 // kernel accumulates into C as it goes). Checked on oneDNN's build here by jit_conformance_test
 // ("beta = 1 adds the finished product"), which fails if an update or another CPU changes it.
+// (SmallGemm's blocks always do: each is added to C after its sum.)
 bool SgemmAddsExactly(bool ta, int64_t m, int64_t n, int64_t k);
 
 // Whether StepSgemm computes this product turned around.

@@ -1,0 +1,154 @@
+// jit::SmallGemm (the replica's small products): every element is one chain of fused multiply-adds
+// over k in order from zero, so the loops must give, bit for bit, a scalar std::fma chain -- whatever
+// the lanes (AVX-512 or AVX2 builds), the tiles and their tails, the strides and the TBB split -- and
+// `add` must give the product computed alone and then added. Where the CPU has neither build, the
+// test says so.
+#include <catch2/catch.hpp>
+#include <tbb/task_arena.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "jit/dnnl_kernels.h"
+#include "jit/simd.h"
+#include "jit/small_gemm.h"
+
+using namespace shardstep;
+
+namespace {
+
+struct Case {
+  bool ta, tb;
+  int64_t m, n, k;
+};
+
+std::vector<float> Random(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// The oracle: C[i, j] = fma chain over kk in order from +0, in scalar float arithmetic.
+std::vector<float> FmaChain(const Case& c, const float* a, int64_t lda, const float* b, int64_t ldb, int64_t ldc,
+                            const std::vector<float>& before, bool add) {
+  std::vector<float> out = before;
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t j = 0; j < c.n; ++j) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < c.k; ++kk) {
+        const float x = c.ta ? a[kk * lda + i] : a[i * lda + kk];
+        const float y = c.tb ? b[j * ldb + kk] : b[kk * ldb + j];
+        acc = std::fma(x, y, acc);
+      }
+      out[i * ldc + j] = add ? out[i * ldc + j] + acc : acc;
+    }
+  return out;
+}
+
+// Runs SmallGemm with leading dimensions `pad` past the operands' widths; returns whether the bits
+// (and the padding, untouched) match the oracle.
+bool MatchesChain(const Case& c, int64_t pad, bool add) {
+  const int64_t lda = (c.ta ? c.m : c.k) + pad, ldb = (c.tb ? c.k : c.n) + pad, ldc = c.n + pad;
+  const std::vector<float> a = Random((c.ta ? c.k : c.m) * lda, 1), b = Random((c.tb ? c.n : c.k) * ldb, 2);
+  std::vector<float> got = Random(c.m * ldc, 3);
+  const std::vector<float> want = FmaChain(c, a.data(), lda, b.data(), ldb, ldc, got, add);
+  jit::SmallGemm(c.ta, c.tb, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, add, got.data(), ldc);
+  return std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0;
+}
+
+std::vector<Case> Cases() {
+  std::vector<Case> cases;
+  for (int64_t m : {1, 5, 6, 7, 13, 16, 32})
+    for (int64_t n : {8, 10, 17, 33, 64, 100})
+      for (int64_t k : {1, 3, 16, 70}) {
+        cases.push_back({false, false, m, n, k});
+        cases.push_back({false, true, m, n, k});
+        cases.push_back({true, false, m, n, k});
+      }
+  return cases;
+}
+
+// Every case on each vector build this CPU runs (16 lanes, then 8 through simd::LanesForTesting).
+template <typename Check>
+void OnEachBuild(Check check) {
+  for (int64_t lanes : {16, 8}) {
+    if (jit::simd::CpuLanes() < lanes) continue;
+    jit::simd::LanesForTesting() = lanes;
+    INFO("lanes " << lanes);
+    check();
+  }
+  jit::simd::LanesForTesting() = 0;
+}
+
+}  // namespace
+
+TEST_CASE("SmallGemm is the scalar fma chain bit for bit: NN, NT, TN, tails, strides, add", "[jit][gemm]") {
+  if (!jit::SmallGemmRuns()) {
+    WARN("this CPU has neither AVX2 + FMA nor AVX-512: SmallGemm cannot run here");
+    return;
+  }
+  OnEachBuild([] {
+    for (const Case& c : Cases())
+      for (int64_t pad : {0, 3})
+        for (bool add : {false, true}) {
+          INFO((c.ta ? "T" : "N") << (c.tb ? "T" : "N") << " " << c.m << "x" << c.n << "x" << c.k << " pad " << pad
+                                  << " add " << add);
+          REQUIRE(MatchesChain(c, pad, add));
+        }
+  });
+}
+
+TEST_CASE("ParallelSmallGemm gives SmallGemm's bits on any number of threads", "[jit][gemm]") {
+  if (!jit::SmallGemmRuns()) return;
+  // The MLP's products at N = 8 and N = 4 replicas, large enough to be split into tasks.
+  const Case cases[] = {{false, false, 16, 1024, 784}, {false, false, 32, 1000, 100}, {false, true, 16, 1024, 1024},
+                        {false, true, 13, 300, 512},   {true, false, 128, 1024, 16},   {true, false, 98, 1030, 32}};
+  for (const Case& c : cases) {
+    INFO((c.ta ? "T" : "N") << (c.tb ? "T" : "N") << " " << c.m << "x" << c.n << "x" << c.k);
+    const int64_t lda = c.ta ? c.m : c.k, ldb = c.tb ? c.k : c.n;
+    const std::vector<float> a = Random(c.m * c.k, 4), b = Random(c.n * c.k, 5);
+    std::vector<float> one(c.m * c.n, 9.0f);
+    jit::SmallGemm(c.ta, c.tb, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, false, one.data(), c.n);
+    const std::vector<float> want = FmaChain(c, a.data(), lda, b.data(), ldb, c.n, one, false);
+    CHECK(std::memcmp(one.data(), want.data(), 4 * one.size()) == 0);
+    for (int threads : {1, 2}) {
+      tbb::task_arena arena(threads);
+      std::vector<float> split(c.m * c.n, 9.0f);
+      arena.execute([&] { jit::ParallelSmallGemm(c.ta, c.tb, c.m, c.n, c.k, a.data(), lda, b.data(), ldb, split.data()); });
+      CHECK(std::memcmp(one.data(), split.data(), 4 * one.size()) == 0);
+    }
+  }
+}
+
+TEST_CASE("the step's small products go to SmallGemm by their shape, and its row blocks add exactly", "[jit][gemm]") {
+  if (!jit::SmallGemmApplies(false, false, 16, 1024, 784)) {
+    WARN("SmallGemm is not used on this CPU (oneDNN's avx512_core kernels, or no AVX2)");
+    return;
+  }
+  CHECK(jit::SmallGemmApplies(false, true, 16, 1024, 1024));  // dX = dY W^T, a replica of 8 at batch 128
+  CHECK(jit::SmallGemmApplies(true, false, 128, 1024, 16));   // a row block of dW = X^T dY
+  CHECK_FALSE(jit::SmallGemmApplies(false, false, 128, 1024, 784));  // the whole batch: oneDNN
+  CHECK_FALSE(jit::SmallGemmApplies(true, false, 1024, 1024, 128));
+  CHECK_FALSE(jit::SmallGemmApplies(true, true, 16, 1024, 1024));
+  // StepSgemm is SmallGemm where the rule says so.
+  const std::vector<float> a = Random(16 * 784, 6), b = Random(784 * 1024, 7);
+  std::vector<float> step(16 * 1024), small(16 * 1024);
+  jit::StepSgemm(false, false, 16, 1024, 784, a.data(), 784, b.data(), 1024, step.data());
+  jit::SmallGemm(false, false, 16, 1024, 784, a.data(), 784, b.data(), 1024, false, small.data(), 1024);
+  CHECK(std::memcmp(step.data(), small.data(), 4 * step.size()) == 0);
+  // A weight gradient's row block folded by adding (the reduce-scatter's fold) gives the bits of the
+  // block computed alone and added.
+  const int64_t m = 1024, n = 512, k = 16, blocks = 8, rows = m / blocks;
+  REQUIRE(jit::SgemmAddsExactly(true, rows, n, k));
+  const std::vector<float> x = Random(k * m, 8), dy = Random(k * n, 9);
+  std::vector<float> sum = Random(rows * n, 10), alone(rows * n);
+  std::vector<float> want = sum;
+  jit::SgemmRowBlock(true, false, m, n, k, x.data(), m, dy.data(), n, blocks, 3, alone.data());
+  for (int64_t i = 0; i < rows * n; ++i) want[i] += alone[i];
+  jit::SgemmRowBlockAdd(true, false, m, n, k, x.data(), m, dy.data(), n, blocks, 3, sum.data());
+  CHECK(std::memcmp(sum.data(), want.data(), 4 * sum.size()) == 0);
+}
