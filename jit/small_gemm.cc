@@ -4,7 +4,9 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "ir/error.h"
@@ -148,7 +150,17 @@ void SmallGemmWith(const Loops& l, bool ta, bool tb, int64_t m, int64_t n, int64
 bool SmallGemmRuns() { return simd::CpuLanes() > 0; }
 
 bool SmallGemmApplies(bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
-  static const bool cpu = SmallGemmRuns() && !OnednnAvx512Core();
+  static const bool cpu = [] {
+    const char* e = std::getenv("SHARDSTEP_SMALL_GEMM");
+    const std::string v = e ? e : "";
+    if (v == "off") return false;
+    if (v == "on") {
+      if (!SmallGemmRuns()) throw Error("SHARDSTEP_SMALL_GEMM=on: this CPU has neither AVX2 + FMA nor AVX-512");
+      return true;
+    }
+    if (!v.empty()) throw Error(Str("SHARDSTEP_SMALL_GEMM: '", v, "' is neither 'on' nor 'off'"));
+    return SmallGemmRuns() && !OnednnAvx512Core();
+  }();
   if (!cpu || (ta && tb)) return false;
   if (ta) return k >= 1 && k <= 32 && m >= 8 && m <= 256 && n >= 8;
   if (tb) return m >= 1 && m <= 32 && n >= 64 && k >= 64 && k % 8 == 0;

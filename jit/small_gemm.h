@@ -16,7 +16,8 @@ namespace shardstep::jit {
 // 1 <= m <= 32 and n, k >= 64 (NT: k a multiple of 8); TN with k <= 32, 8 <= m <= 256 (a row block) and
 // n >= 8. A rule on the
 // shapes and the CPU alone (oneDNN without its avx512_core kernels: where these were measured faster,
-// bench/sgemm_shapes), so one machine always computes the same bits.
+// bench/small_gemm), so one machine always computes the same bits. SHARDSTEP_SMALL_GEMM=off|on
+// overrides the CPU's choice for the process (measurements).
 bool SmallGemmApplies(bool ta, bool tb, int64_t m, int64_t n, int64_t k);
 
 // C[m, n] (row-major, leading dimension ldc) = op(A) op(B), or C += op(A) op(B) with `add`
