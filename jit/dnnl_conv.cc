@@ -310,7 +310,10 @@ namespace {
 const std::string& ConvChoice() {  // SHARDSTEP_CONV, read once per process
   static const std::string choice = [] {
     const char* e = std::getenv("SHARDSTEP_CONV");
-    return std::string(e ? e : "");
+    std::string v = e ? e : "";
+    if (!v.empty() && v != "im2col" && v != "direct")
+      throw Error(Str("SHARDSTEP_CONV: '", v, "' is neither 'im2col' nor 'direct'"));
+    return v;
   }();
   return choice;
 }

@@ -214,10 +214,11 @@ bool Bf16MatmulWidens() {
     const std::string v = e ? e : "";
     if (v == "widen") return true;
     if (v == "onednn") {
-      SS_CHECK(OnednnAvx512Core(), "SHARDSTEP_BF16_MATMUL=onednn: oneDNN has no bf16 matmul on this CPU (no avx512_core)");
+      if (!OnednnAvx512Core())
+        throw Error("SHARDSTEP_BF16_MATMUL=onednn: oneDNN has no bf16 matmul on this CPU (no avx512_core)");
       return false;
     }
-    SS_CHECK(v.empty(), "SHARDSTEP_BF16_MATMUL: '", v, "' is neither 'widen' nor 'onednn'");
+    if (!v.empty()) throw Error(Str("SHARDSTEP_BF16_MATMUL: '", v, "' is neither 'widen' nor 'onednn'"));
     if (CpuHasAmx()) return false;
     return !__builtin_cpu_supports("avx512bf16") || IntelCpu();  // emulated by oneDNN, or half-rate
   }();

@@ -321,3 +321,24 @@ TEST_CASE("run --ir names missing or mistyped inputs and variables with their ex
   CHECK_THAT(r.output, Contains(d / "state.safetensors" + ": tensor 'w' (f32[3]) is missing from the file; tensor 'v' "
                                 "(f32[3]) in the file is not part of the model"));
 }
+
+TEST_CASE("a kernel-choice environment variable with an unknown value is an error naming it") {
+  struct Case {
+    const char* env;
+    const char* args;
+    const char* message;
+  } cases[] = {
+      {"SHARDSTEP_SMALL_GEMM=bogus", "--model mlp", "SHARDSTEP_SMALL_GEMM: 'bogus' is neither 'on' nor 'off'"},
+      {"SHARDSTEP_CONV=fast", "--model cnn", "SHARDSTEP_CONV: 'fast' is neither 'im2col' nor 'direct'"},
+      {"SHARDSTEP_BF16_MATMUL=x", "--model mlp --precision bf16",
+       "SHARDSTEP_BF16_MATMUL: 'x' is neither 'widen' nor 'onednn'"},
+  };
+  for (const Case& c : cases) {
+    auto r = Shell(std::string(c.env) + " " + Binary() + " train --dataset synthetic " + c.args +
+                   " --batch 8 --steps 1 --eval-every 0 --eval-batches 1");
+    INFO(c.env << "\n" << r.output);
+    CHECK(r.status == 1);
+    CHECK_THAT(r.output, Contains(c.message));
+    CHECK_THAT(r.output, !Contains("internal error"));
+  }
+}
