@@ -23,7 +23,8 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
 // of 512 floats (a replica's slice of the batch times a weight in the backward pass: dX = dY W^T) is
 // computed turned around, C^T = B A^T, and transposed back. oneDNN packs B^T for each such call, and
 // B's rows 2 KiB apart alias in the cache: at m = 16, n = k = 1024 the direct call is 3.2x slower
-// (bench/sgemm_shapes). The choice depends only on the shapes, so the bits do too.
+// (bench/sgemm_shapes). And B's rows a multiple of 4 KiB apart with a long sum: SgemmPadsB. The
+// choice depends only on the shapes, so the bits do too.
 void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float* c);
 // C = op(A) op(B) in `blocks` equal row blocks (m % blocks == 0), each one single-threaded dnnl_sgemm
@@ -47,6 +48,24 @@ void SgemmRowBlockAdd(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const f
 // ("beta = 1 adds the finished product"), which fails if an update or another CPU changes it.
 // (SmallGemm's blocks always do: each is added to C after its sum.)
 bool SgemmAddsExactly(bool ta, int64_t m, int64_t n, int64_t k);
+
+// Whether StepSgemm copies B into panels with padded rows first (PaddedBSgemm): B not transposed, its
+// rows a multiple of 4 KiB apart, a long sum (k >= 512) and few rows of C (m <= 256), 2 MiB of B at
+// least, on CPUs without oneDNN's avx512_core kernels (measured only there). oneDNN's AVX2 sgemm packs
+// B in column blocks read down k rows; in the workspace arena's 2 MiB pages rows 4 KiB apart keep
+// their physical stride and fall into a few L2 sets, so each line is fetched again and again (BERT's
+// masked-LM weight gradient, h^T dlogits with dlogits [2048, 4096]: 28.9 ms direct, 2.4 + 14.7 ms
+// copied). The panels depend only on the shapes, so the bits do too (oneDNN's blocking of a sum
+// depends on the call's width: they may differ from ParallelSgemm's in the last place).
+bool SgemmPadsB(bool tb, int64_t m, int64_t n, int64_t k, int64_t ldb);
+// The panels' columns: at most 4 MiB of B a panel (the scratch holds one panel per core).
+int64_t PaddedBPanelColumns(int64_t n, int64_t k);
+// Floats added to each copied row: 64 bytes, so consecutive rows start in consecutive L2 sets.
+inline constexpr int64_t kPaddedBExtra = 16;
+// Row-major C[m,n] = op(A) B with B's column panels copied into the calling thread's scratch with
+// rows kPaddedBExtra floats longer, each panel one single-threaded dnnl_sgemm in a TBB task.
+void PaddedBSgemm(bool ta, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,
+                  float* c);
 
 // Whether StepSgemm computes this product turned around.
 bool SgemmTurnsAround(bool ta, bool tb, int64_t m, int64_t n, int64_t k);

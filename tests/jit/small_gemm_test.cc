@@ -152,3 +152,39 @@ TEST_CASE("the step's small products go to SmallGemm by their shape, and its row
   jit::SgemmRowBlockAdd(true, false, m, n, k, x.data(), m, dy.data(), n, blocks, 3, sum.data());
   CHECK(std::memcmp(sum.data(), want.data(), 4 * sum.size()) == 0);
 }
+
+TEST_CASE("products whose B rows are 4 KiB apart are copied into padded panels, the bits fixed by the shapes", "[jit][gemm]") {
+  struct Case {
+    bool ta;
+    int64_t m, n, k, ldb;
+  };
+  // BERT's masked-LM weight gradient (h^T dlogits), a transformer MLP's dW1 shape, an NN product with
+  // a column tail (n < ldb, and not a multiple of the panel), and one panel only.
+  for (const Case c : {Case{true, 128, 4096, 2048, 4096}, Case{true, 256, 1024, 4096, 1024},
+                       Case{false, 40, 1300, 600, 2048}, Case{false, 48, 300, 1024, 1024}}) {
+    CAPTURE(c.ta, c.m, c.n, c.k, c.ldb);
+    if (!jit::SgemmPadsB(false, c.m, c.n, c.k, c.ldb)) {
+      WARN("B is not copied into padded panels on this CPU (oneDNN's avx512_core kernels)");
+      return;
+    }
+    const int64_t lda = c.ta ? c.m : c.k;
+    const std::vector<float> a = Random(c.m * c.k, 11), b = Random(c.k * c.ldb, 12);
+    std::vector<float> direct(c.m * c.n, 5.0f), padded(c.m * c.n, 7.0f), one(c.m * c.n, 8.0f), step(c.m * c.n, 9.0f);
+    jit::ParallelSgemm(c.ta, false, c.m, c.n, c.k, a.data(), lda, b.data(), c.ldb, direct.data());
+    jit::PaddedBSgemm(c.ta, c.m, c.n, c.k, a.data(), lda, b.data(), c.ldb, padded.data());
+    tbb::task_arena single(1);
+    single.execute([&] { jit::PaddedBSgemm(c.ta, c.m, c.n, c.k, a.data(), lda, b.data(), c.ldb, one.data()); });
+    jit::StepSgemm(c.ta, false, c.m, c.n, c.k, a.data(), lda, b.data(), c.ldb, step.data());
+    CHECK(std::memcmp(padded.data(), one.data(), 4 * one.size()) == 0);  // not the threads' doing
+    CHECK(std::memcmp(padded.data(), step.data(), 4 * step.size()) == 0);
+    // The same product up to the order of the sums (oneDNN picks its blocking by the panel's width):
+    // terms in [-1, 1], so each sum's rounding stays far below k * 2^-24 * k.
+    double worst = 0;
+    for (size_t i = 0; i < direct.size(); ++i) worst = std::max(worst, double(std::fabs(direct[i] - padded[i])));
+    CHECK(worst <= 1e-6 * double(c.k));
+  }
+  CHECK_FALSE(jit::SgemmPadsB(true, 128, 4096, 2048, 4096));   // B transposed
+  CHECK_FALSE(jit::SgemmPadsB(false, 512, 4096, 1024, 4096));  // many rows of C: no gain measured
+  CHECK_FALSE(jit::SgemmPadsB(false, 128, 1000, 2048, 1000));  // rows not 4 KiB apart
+  CHECK_FALSE(jit::SgemmPadsB(false, 128, 4096, 256, 4096));   // a short sum
+}
