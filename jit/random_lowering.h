@@ -11,7 +11,8 @@
 namespace shardstep::jit {
 
 // Philox4x32-10 of `count` counters held as four word arrays (x0[i], x1[i], x2[i], x3[i]), in place,
-// all under key (k0, k1). Structure-of-arrays rounds over a block: the loops vectorise.
+// all under key (k0, k1): in groups of 16 in AVX2 registers where the CPU has AVX2, the rest (and
+// everything elsewhere) in a scalar loop.
 void PhiloxBlocks(uint32_t k0, uint32_t k1, uint32_t* x0, uint32_t* x1, uint32_t* x2, uint32_t* x3, int64_t count);
 
 // One block (for the known-answer tests).

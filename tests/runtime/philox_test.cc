@@ -62,6 +62,24 @@ TEST_CASE("Philox4x32-10 matches Random123's known answers (interpreter and JIT 
   }
 }
 
+TEST_CASE("Philox4x32-10 over many counters at once gives each counter's block (vector groups and tail)", "[philox]") {
+  const std::array<uint32_t, 2> key{0xA4093822u, 0x299F31D0u};
+  for (int64_t count : {1, 15, 16, 17, 100, 256}) {
+    CAPTURE(count);
+    std::vector<uint32_t> x0(count), x1(count), x2(count), x3(count);
+    for (int64_t i = 0; i < count; ++i)  // distinct counters, every word varying
+      x0[i] = static_cast<uint32_t>(i * 2654435761u), x1[i] = static_cast<uint32_t>(i + 7),
+      x2[i] = 0xFFFFFFFFu - static_cast<uint32_t>(i), x3[i] = static_cast<uint32_t>(i * i);
+    const std::vector<uint32_t> c0 = x0, c1 = x1, c2 = x2, c3 = x3;
+    jit::PhiloxBlocks(key[0], key[1], x0.data(), x1.data(), x2.data(), x3.data(), count);
+    for (int64_t i = 0; i < count; ++i) {
+      const auto want = runtime::Philox4x32_10({c0[i], c1[i], c2[i], c3[i]}, key);
+      CHECK(std::array<uint32_t, 4>{x0[i], x1[i], x2[i], x3[i]} == want);
+      if (x0[i] != want[0]) break;
+    }
+  }
+}
+
 // random_uniform(step, first_example){seed, shape} as a one-op module.
 struct Program {
   ir::Module m;
@@ -108,6 +126,21 @@ TEST_CASE("random_uniform: the contract's formula, on both backends, bitwise", "
   CHECK(mean / u.size() == Approx(0.5).margin(0.005));
   CHECK(big.Interpret(0, 0) == u);
   CHECK(big.Jit(1, 0) != u);  // the step changes the stream
+}
+
+TEST_CASE("random_uniform: the JIT's vector groups equal the interpreter at every shape", "[philox]") {
+  // Examples of 16 elements and more run in groups of 16 with the counters made in registers: groups
+  // that cross examples, blocks ending in a partial group, a first example past 0, examples shorter
+  // than a group (scalar), and 2^31 - 1 as the first example (the example word wraps).
+  const uint64_t seed = (uint64_t{0xfeed} << 32) | 0xbeefu;
+  for (const auto& [shape, first] : std::vector<std::pair<ir::Shape, int32_t>>{
+           {{7, 3, 11}, 5}, {{3, 16}, 0}, {{2, 17}, 9}, {{300, 9}, 2}, {{5, 1000}, 0}, {{4, 40}, 2147483646}}) {
+    CAPTURE(shape, first);
+    const Program p(shape, seed);
+    const std::vector<float> ref = p.Interpret(4, first), got = p.Jit(4, first);
+    REQUIRE(ref.size() == got.size());
+    CHECK(std::memcmp(ref.data(), got.data(), ref.size() * 4) == 0);
+  }
 }
 
 TEST_CASE("random_uniform: splitting the batch across replicas does not change an example's values", "[philox]") {
