@@ -188,16 +188,22 @@ bool SgemmPadsB(bool tb, int64_t m, int64_t n, int64_t k, int64_t ldb) {
   // Measured on an AMD Zen 3 guest (AVX2 sgemm; /tmp micro-benchmark, B in 2 MiB pages): m = 128,
   // k = 2048, n = 4096 (BERT's masked-LM weight gradient) 28.9 -> 2.4 + 14.7 ms, n = 1024 6.9 -> 0.5 +
   // 3.6; m = 256, n = 1024, k = 4096 29.2 -> 1.2 + 18.5; m = 128, n = 4096, k = 512 6.6 -> 0.5 + 3.5;
-  // at m = 512 no gain (27.3 -> 28.6 at n = 4096, k = 1024: the packing is then a small part).
+  // at m = 512 no gain (27.3 -> 28.6 at n = 4096, k = 1024: the packing is then a small part). The
+  // MLP's forward products (128 x 1024 x 784 and x 1024; its weights are plain heap memory, where rows
+  // 4 KiB apart still share L1 sets): isolated, level in 4 KiB pages and 2.7 -> 1.9 ms in 2 MiB pages;
+  // in the step, `shardstep train` batch 128, median step_ms, alternately: 9.0 / 10.0 / 9.8 ms copied,
+  // 9.7 / 10.3 / 11.0 direct (N = 2: 11.0 / 11.3 against 11.1 / 13.7).
   if (OnednnAvx512Core() || tb) return false;
   return m <= 256 && k >= 512 && n >= 256 && ldb >= n && (ldb * 4) % 4096 == 0 && k * ldb * 4 >= (int64_t{2} << 20);
 }
 
 int64_t PaddedBPanelColumns(int64_t n, int64_t k) {
-  // At most 1 Mi floats (4 MiB) a panel, a multiple of 16 columns: the scratch stays bounded (cores x
-  // panels) whatever B's size, and the panels depend only on the shapes.
-  const int64_t cols = std::max<int64_t>(64, (int64_t{1} << 20) / std::max<int64_t>(k, 1) / 16 * 16);
-  return std::min(cols, n);
+  // At most 1 Mi floats (4 MiB) a panel, so the scratch stays bounded (a panel per core) whatever B's
+  // size, and at least one panel per core; a multiple of 16 columns. As ParallelSgemm's blocks, they
+  // depend on the shapes and the machine's cores only.
+  const int64_t bounded = std::max<int64_t>(64, (int64_t{1} << 20) / std::max<int64_t>(k, 1) / 16 * 16);
+  const int64_t cores = NumCores(), per_core = ((n + cores - 1) / cores + 15) / 16 * 16;
+  return std::min({bounded, per_core, n});
 }
 
 void PaddedBSgemm(bool ta, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb,

@@ -55,10 +55,11 @@ bool SgemmAddsExactly(bool ta, int64_t m, int64_t n, int64_t k);
 // B in column blocks read down k rows; in the workspace arena's 2 MiB pages rows 4 KiB apart keep
 // their physical stride and fall into a few L2 sets, so each line is fetched again and again (BERT's
 // masked-LM weight gradient, h^T dlogits with dlogits [2048, 4096]: 28.9 ms direct, 2.4 + 14.7 ms
-// copied). The panels depend only on the shapes, so the bits do too (oneDNN's blocking of a sum
+// copied). The panels depend only on the shapes and the cores, so the bits do too (oneDNN's blocking of a sum
 // depends on the call's width: they may differ from ParallelSgemm's in the last place).
 bool SgemmPadsB(bool tb, int64_t m, int64_t n, int64_t k, int64_t ldb);
-// The panels' columns: at most 4 MiB of B a panel (the scratch holds one panel per core).
+// The panels' columns: at most 4 MiB of B a panel (the scratch holds one panel per core), at least a
+// panel per core.
 int64_t PaddedBPanelColumns(int64_t n, int64_t k);
 // Floats added to each copied row: 64 bytes, so consecutive rows start in consecutive L2 sets.
 inline constexpr int64_t kPaddedBExtra = 16;
