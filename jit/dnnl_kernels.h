@@ -18,7 +18,8 @@ void ParallelSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const floa
                    int64_t ldb, float* c);
 
 // A step's 2-D matmul, called from the replica thread (not from a TBB task: it may use that thread's
-// scratch). jit::SmallGemm where its rule takes the shape (a replica's slice of the batch at N >= 4 on
+// scratch). PaddedBSgemm where SgemmPadsB takes the shape (B's rows 4 KiB apart, a long sum: also a
+// replica's few rows times a weight), else jit::SmallGemm where its rule takes the shape (a replica's slice of the batch at N >= 4 on
 // an AVX2 CPU: jit/small_gemm.h). Else as ParallelSgemm, except C = A B^T with few rows and a leading dimension that is a multiple
 // of 512 floats (a replica's slice of the batch times a weight in the backward pass: dX = dY W^T) is
 // computed turned around, C^T = B A^T, and transposed back. oneDNN packs B^T for each such call, and

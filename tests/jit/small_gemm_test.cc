@@ -134,12 +134,23 @@ TEST_CASE("the step's small products go to SmallGemm by their shape, and its row
   CHECK_FALSE(jit::SmallGemmApplies(false, false, 128, 1024, 784));  // the whole batch: oneDNN
   CHECK_FALSE(jit::SmallGemmApplies(true, false, 1024, 1024, 128));
   CHECK_FALSE(jit::SmallGemmApplies(true, true, 16, 1024, 1024));
-  // StepSgemm is SmallGemm where the rule says so.
-  const std::vector<float> a = Random(16 * 784, 6), b = Random(784 * 1024, 7);
-  std::vector<float> step(16 * 1024), small(16 * 1024);
-  jit::StepSgemm(false, false, 16, 1024, 784, a.data(), 784, b.data(), 1024, step.data());
-  jit::SmallGemm(false, false, 16, 1024, 784, a.data(), 784, b.data(), 1024, false, small.data(), 1024);
+  // StepSgemm is SmallGemm where the rule says so (and padded panels do not take the shape first: a
+  // weight with 1000 columns, rows not 4 KiB apart).
+  REQUIRE_FALSE(jit::SgemmPadsB(false, 16, 1000, 784, 1000));
+  const std::vector<float> a = Random(16 * 784, 6), b = Random(784 * 1000, 7);
+  std::vector<float> step(16 * 1000), small(16 * 1000);
+  jit::StepSgemm(false, false, 16, 1000, 784, a.data(), 784, b.data(), 1000, step.data());
+  jit::SmallGemm(false, false, 16, 1000, 784, a.data(), 784, b.data(), 1000, false, small.data(), 1000);
   CHECK(std::memcmp(step.data(), small.data(), 4 * step.size()) == 0);
+  // With rows 4 KiB apart (the MLP's weights at N = 8) padded panels come first.
+  {
+    const std::vector<float> w = Random(784 * 1024, 7);
+    std::vector<float> via_step(16 * 1024), padded(16 * 1024);
+    REQUIRE(jit::SgemmPadsB(false, 16, 1024, 784, 1024));
+    jit::StepSgemm(false, false, 16, 1024, 784, a.data(), 784, w.data(), 1024, via_step.data());
+    jit::PaddedBSgemm(false, 16, 1024, 784, a.data(), 784, w.data(), 1024, padded.data());
+    CHECK(std::memcmp(via_step.data(), padded.data(), 4 * padded.size()) == 0);
+  }
   // A weight gradient's row block folded by adding (the reduce-scatter's fold) gives the bits of the
   // block computed alone and added.
   const int64_t m = 1024, n = 512, k = 16, blocks = 8, rows = m / blocks;
