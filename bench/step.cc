@@ -52,6 +52,8 @@
 #include "jit/attention.h"
 #include "jit/cpu_executor.h"
 #include "jit/dnnl_kernels.h"
+#include "jit/shared_weight_packs.h"
+#include "jit/small_gemm.h"
 #include "models/models.h"
 #include "models/transformer.h"
 #include "runtime/replica_runner.h"
@@ -645,10 +647,18 @@ GemmFloor MeasureMlpGemmFloor(int rounds) {
                 std::vector<float>(m * kOut, 0.1f),    std::vector<float>(m * kHidden, 0.1f),
                 std::vector<float>(m * kHidden, 0.1f)};
   };
-  // One replica's forward and input-gradient products (m rows).
-  auto forward_backward = [&](Rows& r, int64_t m) {
-    jit::StepSgemm(false, false, m, kHidden, kIn, r.x.data(), kIn, w1.data(), kHidden, r.h1.data());
-    jit::StepSgemm(false, false, m, kHidden, kHidden, r.h1.data(), kHidden, w2.data(), kHidden, r.h2.data());
+  // One replica's forward and input-gradient products (m rows). In its `run`-th step (0: N = 1) a
+  // replica multiplies by w1 and w2 through their packed copies the replicas share, where the executor
+  // does (jit/shared_weight_packs.h).
+  const int64_t rows_n = kBatch / kReplicas;
+  std::optional<jit::SharedPackedB> p1, p2;
+  if (jit::SmallGemmApplies(false, false, rows_n, kHidden, kIn)) p1.emplace(kHidden, kIn);
+  if (jit::SmallGemmApplies(false, false, rows_n, kHidden, kHidden)) p2.emplace(kHidden, kHidden);
+  auto forward_backward = [&](Rows& r, int64_t m, uint64_t run) {
+    if (!(run && p1 && p1->Multiply(run, m, r.x.data(), kIn, w1.data(), r.h1.data())))
+      jit::StepSgemm(false, false, m, kHidden, kIn, r.x.data(), kIn, w1.data(), kHidden, r.h1.data());
+    if (!(run && p2 && p2->Multiply(run, m, r.h1.data(), kHidden, w2.data(), r.h2.data())))
+      jit::StepSgemm(false, false, m, kHidden, kHidden, r.h1.data(), kHidden, w2.data(), kHidden, r.h2.data());
     jit::StepSgemm(false, false, m, kOut, kHidden, r.h2.data(), kHidden, w3.data(), kOut, r.y.data());
     jit::StepSgemm(false, true, m, kHidden, kOut, r.d3.data(), kOut, w3.data(), kOut, r.d2.data());
     jit::StepSgemm(false, true, m, kHidden, kHidden, r.d2.data(), kHidden, w2.data(), kHidden, r.d1.data());
@@ -656,13 +666,13 @@ GemmFloor MeasureMlpGemmFloor(int rounds) {
   // N = 1: the whole batch, the weight gradients as three products.
   Rows one = rows_of(kBatch);
   auto step_one = [&] {
-    forward_backward(one, kBatch);
+    forward_backward(one, kBatch, 0);
     jit::StepSgemm(true, false, kIn, kHidden, kBatch, one.x.data(), kIn, one.d1.data(), kHidden, g1.data());
     jit::StepSgemm(true, false, kHidden, kHidden, kBatch, one.h1.data(), kHidden, one.d2.data(), kHidden, g2.data());
     jit::StepSgemm(true, false, kHidden, kOut, kBatch, one.h2.data(), kHidden, one.d3.data(), kOut, g3.data());
   };
   // N = kReplicas threads, kept for the whole measurement; each round runs `steps` steps.
-  const int64_t m = kBatch / kReplicas;
+  const int64_t m = rows_n;
   std::vector<Rows> reps;
   for (int r = 0; r < kReplicas; ++r) reps.push_back(rows_of(m));
   const std::vector<int> cpus = runtime::ReplicaCpus(kReplicas);
@@ -680,12 +690,13 @@ GemmFloor MeasureMlpGemmFloor(int rounds) {
         pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
       }
       jit::ConfigureThreadsForReplica(kReplicas);
+      uint64_t run = 0;
       for (;;) {
         sync.arrive_and_wait();  // a round starts (or stop)
         if (stop) return;
         for (int i = 0; i < steps; ++i) {
           sync.arrive_and_wait();
-          forward_backward(reps[r], m);
+          forward_backward(reps[r], m, ++run);
           sync.arrive_and_wait();  // the reduce-scatter's first rendezvous: every member's operands are made
           for (int q = 0; q < kReplicas; ++q) {
             auto fold = q == 0 ? jit::SgemmRowBlock : jit::SgemmRowBlockAdd;

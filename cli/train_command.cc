@@ -432,6 +432,9 @@ int RunTrain(const TrainFlags& t_in, MlRun* ml) {
     if (cpu->shared_weights() > 0)
       std::cout << "replicas share " << cpu->shared_weights() << " weights (" << cpu->shared_weight_bytes() / 1048576.0
                 << " MiB): one copy in this process instead of one per replica\n";
+    if (cpu->shared_packed_products() > 0)
+      std::cout << cpu->shared_packed_products() << " products of a shared weight read one packed copy ("
+                << cpu->shared_packed_bytes() / 1048576.0 << " MiB), packed once a step by the replicas together\n";
     if (const int folded = cpu->folded_products(); folded > 0)
       std::cout << folded << " weight gradients computed by their reduce-scatter: each replica its chunk of"
                 << " every replica's product, folded as it is made\n";

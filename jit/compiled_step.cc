@@ -2220,6 +2220,8 @@ void CompiledStep::Run(const StepBinding& b, int replica, runtime::Collectives* 
   ctx.collectives = c;
   ctx.ws = ws;
   ctx.batch_parts = batch_parts;
+  ctx.packs = b.packs;
+  ctx.run = ++ws->runs;
   if (driver_(&ctx) != 0) std::rethrow_exception(ctx.error);
   for (size_t i = 0; i < m_.outputs.size(); ++i) {
     Tensor& t = *b.outputs[i];

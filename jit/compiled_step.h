@@ -59,6 +59,7 @@ Lowering LoweringOf(const ir::Module& m, ir::ValueId v);
 
 class CompiledStep;
 class ConvKernel;
+class SharedWeightPacks;
 
 // The tensors one replica's step reads and writes, bound to the step's slots once (CompiledStep::
 // BindVariables, BindInputs, BindOutputs): the step then addresses its variables, inputs and outputs by
@@ -69,6 +70,7 @@ struct StepBinding {
   std::vector<runtime::Tensor*> variables;     // per variable slot (CompiledStep::variable_names())
   std::vector<const runtime::Tensor*> inputs;  // per input slot (CompiledStep::input_names())
   std::vector<runtime::Tensor*> outputs;       // per output of the module, in its order
+  SharedWeightPacks* packs = nullptr;          // the packed weights in-process replicas share, if any
 };
 
 // Per-replica buffers of one CompiledStep: allocated at the first Run, reused by every later step.
@@ -103,6 +105,7 @@ struct Workspace {
   std::vector<ProductOperands> product_operands;
   std::vector<float*> part_outs;
   std::vector<float> attention_stats;   // the forwards' softmax statistics (CompiledStep::PlanAttentionStats)
+  uint64_t runs = 0;                    // steps run with it (SharedWeightPacks::Multiply's `run`)
 };
 
 class CompiledStep {

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include "jit/dnnl_kernels.h"
+#include "jit/shared_weight_packs.h"
 
 namespace shardstep::jit {
 
@@ -29,6 +30,7 @@ struct CpuExecutor::State {
   // Forward modules compiled so far, found by comparing modules (cheaper than printing one per call).
   std::vector<std::pair<ir::Module, std::shared_ptr<const CompiledStep>>> forwards;
   Workspace forward_ws;
+  std::unique_ptr<SharedWeightPacks> packs;  // with shared weights: their products' packed copies
 };
 
 namespace {
@@ -66,6 +68,14 @@ CpuExecutor::CpuExecutor(const ir::Module& step, const TensorMap& state, const C
   if (options.share_weights && share_env && num_replicas() > 1 &&
       dynamic_cast<runtime::InProcessCollectives*>(&collectives()))
     shared_slots_ = step_->GatheredVariableSlots(num_replicas());
+  static const bool packs_env = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_SHARE_PACKS");
+    return !(e && std::string(e) == "0");
+  }();
+  if (!shared_slots_.empty() && options.share_packs && packs_env) {
+    s_->packs = std::make_unique<SharedWeightPacks>(*step_, shared_slots_);
+    if (s_->packs->products() == 0) s_->packs.reset();
+  }
   if (auto* in_process = dynamic_cast<runtime::InProcessCollectives*>(&collectives()); in_process && !options.fold_products)
     in_process->set_fold_products(false);
   LoadLogicalState(state);
@@ -82,6 +92,9 @@ int64_t CpuExecutor::shared_weight_bytes() const {
   for (int slot : shared_slots_) bytes += step_->module().at(step_->VariableLeaf(slot)).type.bytes();
   return bytes;
 }
+
+int CpuExecutor::shared_packed_products() const { return s_->packs ? s_->packs->products() : 0; }
+int64_t CpuExecutor::shared_packed_bytes() const { return s_->packs ? s_->packs->bytes() : 0; }
 
 int64_t CpuExecutor::bf16_copy_bytes() const {
   int64_t bytes = 0;
@@ -113,6 +126,7 @@ StepBinding& CpuExecutor::BindingFor(int r, TensorMap& state) {
     s_->copies_made[r] = 1;
   }
   b.inputs = s_->inputs.inputs;  // the same size every step: no allocation
+  b.packs = s_->packs.get();
   return b;
 }
 

@@ -19,6 +19,11 @@ struct CpuExecutorOptions {
   // bytes, and the all-gather writes each byte once instead of once per replica. Same bits either way.
   // SHARDSTEP_JIT_SHARE_WEIGHTS=0 in the environment turns it off (to compare).
   bool share_weights = true;
+  // And the products of such a weight that SmallGemm computes (a replica's few rows times the weight)
+  // read one packed copy of it, packed once a step by the replicas together (jit/shared_weight_packs.h),
+  // instead of each replica packing it itself. Same bits either way. SHARDSTEP_JIT_SHARE_PACKS=0 in the
+  // environment turns it off (to compare).
+  bool share_packs = true;
   // In-process replicas compute the weight gradients their reduce-scatter folds inside it: each its
   // row block of every replica's product (CompiledStep::PlanProductParts). Same bits either way.
   // SHARDSTEP_JIT_FOLD_PRODUCTS=0 in the environment turns it off (runtime::InProcessCollectives).
@@ -47,6 +52,10 @@ class CpuExecutor : public runtime::ReplicatedExecutor {
   // executor's collectives fold products (in-process replicas), else 0.
   int folded_products();
   int64_t shared_weight_bytes() const;
+  // The products of a shared weight whose packed form the replicas also share (jit/shared_weight_packs.h;
+  // SHARDSTEP_JIT_SHARE_PACKS=0 turns it off): how many, and the packed copies' bytes.
+  int shared_packed_products() const;
+  int64_t shared_packed_bytes() const;
   // The weights' bf16 copies each replica keeps (CpuExecutorOptions::bf16_weight_copies): their bytes.
   int64_t bf16_copy_bytes() const;
 

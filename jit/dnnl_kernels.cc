@@ -178,13 +178,15 @@ void TurnedSgemmNT(int64_t m, int64_t n, int64_t k, const float* a, const float*
 
 void StepSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, float* c) {
-  // Padded panels before SmallGemm: a replica's 16 rows times a weight whose rows are 4 KiB apart (the
-  // MLP at N = 8) ran faster through oneDNN on padded panels than through SmallGemm's own packing
-  // (`shardstep train --replicas 8 --batch 128`, median step_ms alternately: 18.0 / 16.8 / 16.5 against
-  // 22.4 / 17.9 / 18.0 ms). The two rules meet only there (SmallGemm's TN needs k <= 32, padding k >= 512;
-  // padding never takes a transposed B).
-  if (SgemmPadsB(tb, m, n, k, ldb)) return PaddedBSgemm(ta, m, n, k, a, lda, b, ldb, c);
+  // SmallGemm before padded panels, where both take an NN product (a replica's few rows times a weight
+  // whose rows are 4 KiB apart: the MLP at N = 8): in-process replicas share that weight's packed form
+  // (jit/shared_weight_packs.h), which must give this call's bits. (Through oneDNN on padded panels,
+  // each replica copying the weight, it ran faster than SmallGemm's own packing: `shardstep train
+  // --replicas 8 --batch 128`, median step_ms alternately, 18.0 / 16.8 / 16.5 against 22.4 / 17.9 / 18.0
+  // ms; the shared packing beats both.) The rules meet only there (SmallGemm's TN needs k <= 32,
+  // padding k >= 512; padding never takes a transposed B).
   if (SmallGemmApplies(ta, tb, m, n, k)) return ParallelSmallGemm(ta, tb, m, n, k, a, lda, b, ldb, c);
+  if (SgemmPadsB(tb, m, n, k, ldb)) return PaddedBSgemm(ta, m, n, k, a, lda, b, ldb, c);
   if (SgemmTurnsAround(ta, tb, m, n, k) && lda == k && ldb == k) return TurnedSgemmNT(m, n, k, a, b, c);
   ParallelSgemm(ta, tb, m, n, k, a, lda, b, ldb, c);
 }

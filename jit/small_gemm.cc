@@ -35,6 +35,26 @@ Loops CpuLoops() {
 
 constexpr int64_t kGroup = 4;  // panels of B packed together (NnColumns)
 
+// B's columns [j0, j1) into its packed form (PackedBFloats): panel p at packed + p * k * panel, its k
+// rows `panel` floats apart, zero past j1. Read a row's part whole and prefetch the rows ahead, as
+// NnColumns.
+void PackColumns(const Loops& l, int64_t k, const float* b, int64_t ldb, int64_t j0, int64_t j1,
+                 float* packed) {
+  constexpr int64_t kAhead = 16;  // rows
+  const int64_t p0 = j0 / l.panel, p1 = (j1 + l.panel - 1) / l.panel;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* row = b + kk * ldb;
+    if (kk + kAhead < k)
+      for (int64_t x = j0; x < j1; x += 16) __builtin_prefetch(row + kAhead * ldb + x);
+    for (int64_t p = p0; p < p1; ++p) {
+      float* dst = packed + (p * k + kk) * l.panel;
+      const int64_t w = std::min(l.panel, j1 - p * l.panel);
+      std::memcpy(dst, row + p * l.panel, w * sizeof(float));
+      if (w < l.panel) std::fill(dst + w, dst + l.panel, 0.0f);
+    }
+  }
+}
+
 // C = A B (+ C) over C's columns [j0, j1), kGroup panels at a time: the group's k rows of B copied
 // into one contiguous buffer per panel first (`pack`: kGroup * k * panel floats; B's rows are a
 // weight's rows, 4 KiB apart, where the cache keeps few lines of one panel and no hardware prefetcher
@@ -42,21 +62,9 @@ constexpr int64_t kGroup = 4;  // panels of B packed together (NnColumns)
 // of C against each panel. bench/small_gemm on a Zen 3 guest: 0.55-0.6x oneDNN's time at m = 16.
 void NnColumns(const Loops& l, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
                int64_t ldb, bool add, float* c, int64_t ldc, int64_t j0, int64_t j1, float* pack) {
-  constexpr int64_t kAhead = 16;  // rows
   for (int64_t j = j0; j < j1; j += kGroup * l.panel) {
     const int64_t panels = std::min(kGroup, (j1 - j + l.panel - 1) / l.panel);
-    const int64_t span = std::min(j1, j + kGroup * l.panel) - j;
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const float* row = b + kk * ldb + j;
-      if (kk + kAhead < k)
-        for (int64_t x = 0; x < span; x += 16) __builtin_prefetch(row + kAhead * ldb + x);
-      for (int64_t p = 0; p < panels; ++p) {
-        float* dst = pack + (p * k + kk) * l.panel;
-        const int64_t w = std::min(l.panel, n - j - p * l.panel);
-        std::memcpy(dst, row + p * l.panel, w * sizeof(float));
-        if (w < l.panel) std::fill(dst + w, dst + l.panel, 0.0f);
-      }
-    }
+    PackColumns(l, k, b + j, ldb, 0, std::min(j1, j + kGroup * l.panel) - j, pack);
     for (int64_t p = 0; p < panels; ++p)
       l.Of(add)(m, k, a, lda, 1, pack + p * k * l.panel, l.panel, c + j + p * l.panel, ldc,
                 std::min(l.panel, n - j - p * l.panel));
@@ -182,6 +190,34 @@ void SmallGemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a
   }
   std::vector<float> w(need);
   SmallGemmWith(l, ta, tb, m, n, k, a, lda, b, ldb, add, c, ldc, w.data());
+}
+
+int64_t SmallGemmPanelColumns() { return CpuLoops().panel; }
+
+int64_t PackedBFloats(int64_t n, int64_t k) {
+  const int64_t panel = CpuLoops().panel;
+  return (n + panel - 1) / panel * panel * k;
+}
+
+void PackB(int64_t n, int64_t k, const float* b, int64_t ldb, int64_t j0, int64_t j1, float* packed) {
+  const Loops l = CpuLoops();
+  SS_CHECK(j0 % l.panel == 0 && j0 < j1 && j1 <= n && (j1 == n || j1 % l.panel == 0), "PackB: columns [", j0,
+           ", ", j1, ") of ", n, " are not whole panels of ", l.panel);
+  PackColumns(l, k, b, ldb, j0, j1, packed);
+}
+
+void ParallelSmallGemmPackedB(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* packed,
+                              float* c) {
+  CheckShape(false, false, m, n, k);
+  const Loops l = CpuLoops();
+  // ParallelSmallGemm's split (the bits do not depend on it either).
+  const int64_t panels = (n + l.panel - 1) / l.panel;
+  const int64_t blocks = m * n * k < (int64_t{1} << 21) ? 1 : std::min<int64_t>(NumCores(), panels);
+  tbb::parallel_for(int64_t{0}, blocks, [&](int64_t blk) {
+    for (int64_t p = panels * blk / blocks; p < panels * (blk + 1) / blocks; ++p)
+      l.store(m, k, a, lda, 1, packed + p * k * l.panel, l.panel, c + p * l.panel, n,
+              std::min(l.panel, n - p * l.panel));
+  });
 }
 
 void ParallelSmallGemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,

@@ -29,6 +29,17 @@ void SmallGemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a
 void ParallelSmallGemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda,
                        const float* b, int64_t ldb, float* c);
 
+// C = A B (NN) from B packed beforehand, bit for bit ParallelSmallGemm's: the replicas of one process
+// multiply their slices of the batch by the one weight they share, packed once for all of them
+// (jit/shared_weight_packs.h) instead of once by each. B's packed form: column panels of
+// SmallGemmPanelColumns() columns (the last zero-padded), each its k rows one after another.
+int64_t SmallGemmPanelColumns();
+int64_t PackedBFloats(int64_t n, int64_t k);
+// Packs B's columns [j0, j1) (j0 a multiple of the panel columns; j1 one too, or n) into `packed`.
+void PackB(int64_t n, int64_t k, const float* b, int64_t ldb, int64_t j0, int64_t j1, float* packed);
+void ParallelSmallGemmPackedB(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* packed,
+                              float* c);
+
 // Whether the loops can run on this CPU (AVX2 + FMA or AVX-512).
 bool SmallGemmRuns();
 

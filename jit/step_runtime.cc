@@ -16,6 +16,7 @@
 #include "jit/compiled_step.h"
 #include "jit/dnnl_kernels.h"
 #include "jit/kernel_emitter.h"
+#include "jit/shared_weight_packs.h"
 
 namespace shardstep::jit {
 namespace {
@@ -143,7 +144,10 @@ extern "C" int32_t ss_rt_kernel(StepContext* ctx, void* kernel, void* const* buf
 extern "C" int32_t ss_rt_sgemm(StepContext* ctx, int64_t value, int32_t ta, int32_t tb, int64_t m, int64_t n,
                                int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* out) {
   return Guarded(ctx, [&] { return shardstep::jit::InstrKey(*ctx->step, value); }, [&] {
-    shardstep::jit::Prefixed(*ctx->step, value, [&] { shardstep::jit::StepSgemm(ta, tb, m, n, k, a, lda, b, ldb, out); });
+    shardstep::jit::Prefixed(*ctx->step, value, [&] {
+      if (ctx->packs && !ta && !tb && ctx->packs->Multiply(value, ctx->run, m, n, k, a, lda, b, ldb, out)) return;
+      shardstep::jit::StepSgemm(ta, tb, m, n, k, a, lda, b, ldb, out);
+    });
   });
 }
 

@@ -20,6 +20,7 @@ namespace shardstep::jit {
 class CompiledStep;
 struct StepBinding;
 struct Workspace;
+class SharedWeightPacks;
 
 // What one Run hands to the driver. `slots` must stay the first member: the driver loads it
 // from offset 0 (the storage of value v is slots[v]).
@@ -31,6 +32,8 @@ struct StepContext {
   runtime::Collectives* collectives = nullptr;
   Workspace* ws = nullptr;
   int batch_parts = 1;
+  SharedWeightPacks* packs = nullptr;  // StepBinding::packs
+  uint64_t run = 0;                    // this replica's step number (Workspace::runs)
   std::exception_ptr error;  // set when an entry point returns non-zero
 };
 

@@ -15,6 +15,7 @@
 #include "ir/printer.h"
 #include "jit/compiled_step.h"
 #include "jit/cpu_executor.h"
+#include "jit/small_gemm.h"
 #include "models/models.h"
 #include "runtime/dataset.h"
 #include "runtime/executor.h"
@@ -207,6 +208,46 @@ TEST_CASE("in-process replicas share the weights the sharded update gathers into
   TensorMap images;  // one replica's batch
   for (const char* name : {"image", "label"}) images[name] = SliceBatch(batches[0].at(name), kReplicas, 0);
   CHECK(a.Forward(sh.forward, images).at("logits") == b.Forward(sh.forward, images).at("logits"));
+}
+
+// The replicas' few rows times a weight they share read one packed copy of it, packed once a step by
+// the replicas together (jit/shared_weight_packs.h): the bits of each replica packing it itself, and of
+// the replicated update, through a reload.
+TEST_CASE("in-process replicas share the packed copy of a shared weight, with the bits of their own packing",
+          "[jit][sharding]") {
+  constexpr int kSteps = 5, kReplicas = 4;
+  const auto batches = Batches(false, kSteps);
+  test::SmallProgram s;
+  s.batch = kBatch;
+  s.hidden = {128, 64};  // fc1 [6 rows, 784] x [784, 128] and fc2 [6, 128] x [128, 64] per replica
+  dsl::Program sh = test::Build(s, dsl::Adam().lr(1e-3), kReplicas, true);
+  dsl::Program rep = test::Build(s, dsl::Adam().lr(1e-3), kReplicas, false);
+  const TensorMap init = InitLogicalState(sh.step);
+  jit::CpuExecutorOptions packs, own;
+  own.share_packs = false;
+  jit::CpuExecutor a(sh.step, init, packs), b(sh.step, init, own), c(rep.step, init, packs);
+  if (!jit::SmallGemmApplies(false, false, kBatch / kReplicas, 128, 784)) {
+    CHECK(a.shared_packed_products() == 0);
+    WARN("SmallGemm does not take these products on this CPU (oneDNN's avx512_core kernels, or no AVX2)");
+    return;
+  }
+  CHECK(a.shared_packed_products() == 2);
+  CHECK(a.shared_packed_bytes() >= int64_t{4} * (784 * 128 + 128 * 64));
+  CHECK(b.shared_packed_products() == 0);
+  CHECK(c.shared_packed_products() == 0);  // the replicated update shares no weight
+  for (int i = 0; i < kSteps; ++i) {
+    if (i == 2) a.LoadLogicalState(a.LogicalState());  // bound again; the packs are made again too
+    const TensorMap oa = a.Step(batches[i]), ob = b.Step(batches[i]), oc = c.Step(batches[i]);
+    CHECK(oa.at("loss") == ob.at("loss"));
+    CHECK(oa.at("loss") == oc.at("loss"));
+  }
+  const TensorMap x = a.LogicalState(), y = b.LogicalState(), z = c.LogicalState();
+  for (auto& [name, t] : x) {
+    INFO("variable " << name << ": " << Describe(t, y.at(name)) << "; replicated: " << Describe(t, z.at(name)));
+    CHECK(t == y.at(name));
+    CHECK(t == z.at(name));
+    CHECK_FALSE(t == init.at(name));
+  }
 }
 
 TEST_CASE("weight gradients their reduce-scatter computes and folds have the bits of materialised ones",

@@ -6,12 +6,15 @@
 #include <catch2/catch.hpp>
 #include <tbb/task_arena.h>
 
+#include <barrier>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "jit/dnnl_kernels.h"
+#include "jit/shared_weight_packs.h"
 #include "jit/simd.h"
 #include "jit/small_gemm.h"
 
@@ -142,14 +145,15 @@ TEST_CASE("the step's small products go to SmallGemm by their shape, and its row
   jit::StepSgemm(false, false, 16, 1000, 784, a.data(), 784, b.data(), 1000, step.data());
   jit::SmallGemm(false, false, 16, 1000, 784, a.data(), 784, b.data(), 1000, false, small.data(), 1000);
   CHECK(std::memcmp(step.data(), small.data(), 4 * step.size()) == 0);
-  // With rows 4 KiB apart (the MLP's weights at N = 8) padded panels come first.
+  // With rows 4 KiB apart (the MLP's weights at N = 8) too, where padded panels would also take the
+  // shape: the replicas' shared packed copy gives SmallGemm's bits (jit/shared_weight_packs.h).
   {
     const std::vector<float> w = Random(784 * 1024, 7);
-    std::vector<float> via_step(16 * 1024), padded(16 * 1024);
+    std::vector<float> via_step(16 * 1024), small_w(16 * 1024);
     REQUIRE(jit::SgemmPadsB(false, 16, 1024, 784, 1024));
     jit::StepSgemm(false, false, 16, 1024, 784, a.data(), 784, w.data(), 1024, via_step.data());
-    jit::PaddedBSgemm(false, 16, 1024, 784, a.data(), 784, w.data(), 1024, padded.data());
-    CHECK(std::memcmp(via_step.data(), padded.data(), 4 * padded.size()) == 0);
+    jit::SmallGemm(false, false, 16, 1024, 784, a.data(), 784, w.data(), 1024, false, small_w.data(), 1024);
+    CHECK(std::memcmp(via_step.data(), small_w.data(), 4 * small_w.size()) == 0);
   }
   // A weight gradient's row block folded by adding (the reduce-scatter's fold) gives the bits of the
   // block computed alone and added.
@@ -198,4 +202,69 @@ TEST_CASE("products whose B rows are 4 KiB apart are copied into padded panels, 
   CHECK_FALSE(jit::SgemmPadsB(false, 512, 4096, 1024, 4096));  // many rows of C: no gain measured
   CHECK_FALSE(jit::SgemmPadsB(false, 128, 1000, 2048, 1000));  // rows not 4 KiB apart
   CHECK_FALSE(jit::SgemmPadsB(false, 128, 4096, 256, 4096));   // a short sum
+}
+
+TEST_CASE("B packed beforehand gives SmallGemm's bits, whole or packed in chunks", "[jit][gemm]") {
+  OnEachBuild([] {
+    const int64_t panel = jit::SmallGemmPanelColumns();
+    for (int64_t m : {1, 7, 16, 32})
+      for (int64_t n : {8, 33, 100, 1000})
+        for (int64_t k : {1, 70, 784}) {
+          CAPTURE(m, n, k);
+          const std::vector<float> a = Random(m * k, 21), b = Random(k * n, 22);
+          std::vector<float> want(m * n), got(m * n, 3.0f), packed(jit::PackedBFloats(n, k), 9.0f);
+          jit::SmallGemm(false, false, m, n, k, a.data(), k, b.data(), n, false, want.data(), n);
+          for (int64_t j = 0; j < n; j += 2 * panel) jit::PackB(n, k, b.data(), n, j, std::min(n, j + 2 * panel), packed.data());
+          jit::ParallelSmallGemmPackedB(m, n, k, a.data(), k, packed.data(), got.data());
+          CHECK(std::memcmp(got.data(), want.data(), 4 * want.size()) == 0);
+        }
+  });
+}
+
+TEST_CASE("replicas share one packed copy of a weight a run: each gets SmallGemm's bits of its own rows", "[jit][gemm]") {
+  if (!jit::SmallGemmRuns()) {
+    WARN("no SmallGemm build runs on this CPU");
+    return;
+  }
+  constexpr int kThreads = 8, kRuns = 3;
+  const int64_t m = 16, n = 1000, k = 300;
+  jit::SharedPackedB shared(n, k);
+  std::vector<std::vector<float>> a(kThreads), got(kThreads, std::vector<float>(kRuns * m * n));
+  for (int t = 0; t < kThreads; ++t) a[t] = Random(m * k, 30 + t);
+  // The weight changes between runs (as the update writes it), never within one.
+  std::vector<std::vector<float>> w(kRuns);
+  for (int r = 0; r < kRuns; ++r) w[r] = Random(k * n, 40 + r);
+  std::vector<float> b = w[0];
+  std::barrier sync(kThreads + 1);
+  std::vector<int> used(kThreads * kRuns, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRuns; ++r) {
+        sync.arrive_and_wait();  // b holds run r's weight
+        used[t * kRuns + r] = shared.Multiply(r + 1, m, a[t].data(), k, b.data(), got[t].data() + r * m * n);
+        sync.arrive_and_wait();
+      }
+    });
+  for (int r = 0; r < kRuns; ++r) {
+    b = w[r];
+    sync.arrive_and_wait();
+    sync.arrive_and_wait();
+  }
+  for (std::thread& t : threads) t.join();
+  for (int t = 0; t < kThreads; ++t)
+    for (int r = 0; r < kRuns; ++r) {
+      CAPTURE(t, r);
+      CHECK(used[t * kRuns + r] == 1);
+      std::vector<float> want(m * n);
+      jit::SmallGemm(false, false, m, n, k, a[t].data(), k, w[r].data(), n, false, want.data(), n);
+      CHECK(std::memcmp(got[t].data() + r * m * n, want.data(), 4 * want.size()) == 0);
+    }
+  // A thread behind the others (its step failed before this product), or another matrix in the same
+  // run: not the shared copy -- the caller multiplies by its own.
+  std::vector<float> c(m * n);
+  CHECK_FALSE(shared.Multiply(kRuns - 1, m, a[0].data(), k, b.data(), c.data()));
+  const std::vector<float> other = w[0];
+  CHECK_FALSE(shared.Multiply(kRuns, m, a[0].data(), k, other.data(), c.data()));
+  CHECK(shared.Multiply(kRuns + 1, m, a[0].data(), k, other.data(), c.data()));
 }
