@@ -336,6 +336,11 @@ ReduceLayout LayoutOf(const Shape& shape, const ir::IntList& axes, const Shape& 
   l.rows = l.n > 0 ? l.total / l.n : 0;
   // Blocks of about 64K elements (whole rows): the partition depends on the shape only.
   l.block_rows = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(l.n, 1));
+  // Columns summed over rows of 512 or more (a bias gradient over a vocabulary, [tokens, 4096]): at most
+  // 8 blocks, as each keeps a partial array of n doubles that is zeroed, written and read again (bert's
+  // [2048, 4096] in 128 blocks: 4 MiB of partials, 3.1-3.4 ms of its step).
+  if (l.rank == 2 && l.inner == 1 && l.acc_strides[0] == 0 && l.n >= 512)
+    l.block_rows = std::max(l.block_rows, (l.rows + 7) / 8);
   l.blocks = std::max<int64_t>(1, (l.rows + l.block_rows - 1) / l.block_rows);
   return l;
 }
@@ -442,11 +447,32 @@ template <int64_t S, typename T>
     for (int64_t k = 0; k < S; ++k) part[k0 + k] = acc[k];
   }
 }
+// Rows of 512 columns or more four at a time over the whole width: part[k] read and written once per
+// four rows, each row read front to back (the strips above read a few hundred bytes of each row and
+// jump to the next, 2 KiB or more ahead, where the prefetchers do not follow). The same adds in the
+// same order as row by row. /tmp micro-benchmark, 8 Mi floats in blocks of 64 Ki elements or of half
+// the rows, one thread: n = 4096 3.4 / 5.9 -> 1.5 / 1.6 ms (BERT's output bias gradient, 3.1 ms of its
+// step), n = 512 5.6 / 9.8 -> 3.4 / 2.5 ms; at n = 128 the strips stay faster (2.4 against 4.1 ms).
+template <typename T>
+[[gnu::always_inline]] inline void ColumnRowGroups(const T* xs, int64_t rows, int64_t n, double* part) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    const T *x0 = xs + r * n, *x1 = x0 + n, *x2 = x1 + n, *x3 = x2 + n;
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8)  // a fixed trip count: vectorised at -O2
+#pragma GCC unroll 8
+      for (int64_t j = k; j < k + 8; ++j) part[j] = (((part[j] + x0[j]) + x1[j]) + x2[j]) + x3[j];
+    for (; k < n; ++k) part[k] = (((part[k] + x0[k]) + x1[k]) + x2[k]) + x3[k];
+  }
+  for (; r < rows; ++r)
+    for (int64_t k = 0; k < n; ++k) part[k] += xs[r * n + k];
+}
 template <typename T>
 [[gnu::always_inline]] inline void ColumnRowsBody(const T* xs, int64_t rows, int64_t n, int64_t chain0, double* part) {
   if (n == 16) return ColumnRowsFixed<16, 4>(xs, rows, chain0, part);
   if (n == 32) return ColumnRowsFixed<32, 2>(xs, rows, chain0, part);
   if (n == 64) return ColumnRowsFixed<64, 1>(xs, rows, chain0, part);
+  if (n >= 512) return ColumnRowGroups(xs, rows, n, part);
   if (n % 128 == 0) return ColumnStrips<128>(xs, rows, n, part);
   if (n % 64 == 0) return ColumnStrips<64>(xs, rows, n, part);
   for (int64_t r = 0; r < rows; ++r)
