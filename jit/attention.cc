@@ -257,12 +257,16 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
       const int64_t keys = causal ? std::min(t, i0 + 16) : t;
       const __m512i query = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i0)));
       __m512 m = ninf, r;
-      if (io.in.max) {  // one pass: scale, mask, exp (the three passes' operations on each element)
+      uint16_t* xb = bf16 ? bf16 + h * t * t : nullptr;
+      if (io.in.max) {  // one pass: scale, mask, exp, normalise (the three passes' operations on each element)
         m = _mm512_loadu_ps(io.in.max + h * t + i0), r = _mm512_loadu_ps(io.in.inv_sum + h * t + i0);
         for (int64_t j = 0; j < keys; ++j) {
           float* c = x + j * t + i0;
-          const __m512 v = _mm512_mask_mul_ps(ninf, Keep(causal, query, j), _mm512_loadu_ps(c), vscale);
-          _mm512_storeu_ps(c, Exp16(_mm512_sub_ps(v, m)));
+          const __mmask16 keep = Keep(causal, query, j);
+          const __m512 v = _mm512_mask_mul_ps(ninf, keep, _mm512_loadu_ps(c), vscale);
+          const __m512 pv = _mm512_maskz_mul_ps(keep, Exp16(_mm512_sub_ps(v, m)), r);
+          if (f32_out) _mm512_storeu_ps(c, pv);
+          if (xb) StoreBf16<kNe>(xb + j * t + i0, pv);
         }
       } else {
         for (int64_t j = 0; j < keys; ++j) {
@@ -284,13 +288,12 @@ SS_AVX512 void SoftmaxColumns16(float* st, int64_t heads, int64_t t, float scale
           _mm512_storeu_ps(io.out.max + h * t + i0, m);
           _mm512_storeu_ps(io.out.inv_sum + h * t + i0, r);
         }
-      }
-      uint16_t* xb = bf16 ? bf16 + h * t * t : nullptr;
-      for (int64_t j = 0; j < keys; ++j) {
-        float* c = x + j * t + i0;
-        const __m512 pv = _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r);
-        if (f32_out) _mm512_storeu_ps(c, pv);
-        if (xb) StoreBf16<kNe>(xb + j * t + i0, pv);
+        for (int64_t j = 0; j < keys; ++j) {
+          float* c = x + j * t + i0;
+          const __m512 pv = _mm512_maskz_mul_ps(Keep(causal, query, j), _mm512_loadu_ps(c), r);
+          if (f32_out) _mm512_storeu_ps(c, pv);
+          if (xb) StoreBf16<kNe>(xb + j * t + i0, pv);
+        }
       }
       for (int64_t j = keys; j < t; ++j) {
         if (f32_out) _mm512_storeu_ps(x + j * t + i0, _mm512_setzero_ps());

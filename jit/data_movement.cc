@@ -596,29 +596,50 @@ double* PartialOf(const ReduceLayout& l, double* acc, int64_t blk) {
   return acc + (PartialArrays(l) == 1 ? 0 : blk * PartialSize(l));
 }
 
-// The blocks' partial sums (acc[blk * nout + i]) added in block order, divided for a mean.
+// The blocks' partial sums (acc[blk * nout + i]) added in block order, divided for a mean: outputs
+// [i0, i1).
 template <typename T>
-void Finish(const ReduceLayout& l, bool mean, double* acc, T* out) {
+void FinishRange(const ReduceLayout& l, bool mean, double* acc, T* out, int64_t i0, int64_t i1) {
   // Block by block over contiguous outputs (each output still adds its blocks in block order): per
   // output across the blocks, every read was nout doubles away from the last (a cache and TLB miss
   // each for softmax's 16384 rows).
-  const int64_t chains = ColumnChains(l), size = PartialSize(l);
+  const int64_t chains = ColumnChains(l), size = PartialSize(l), n = l.nout;
   for (int64_t blk = 0; chains > 1 && blk < PartialArrays(l); ++blk) {  // a block's chains, pairwise
     double* c = acc + blk * size;
-    const int64_t n = l.nout;
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = i0; i < i1; ++i)
       c[i] = chains == 4 ? (c[i] + c[n + i]) + (c[2 * n + i] + c[3 * n + i]) : c[i] + c[n + i];
   }
   for (int64_t blk = 1; blk < PartialArrays(l); ++blk) {
     const double* part = acc + blk * size;
-    for (int64_t i = 0; i < l.nout; ++i) acc[i] += part[i];
+    for (int64_t i = i0; i < i1; ++i) acc[i] += part[i];
   }
-  for (int64_t i = 0; i < l.nout; ++i) {
+  for (int64_t i = i0; i < i1; ++i) {
     double v = acc[i];
     if (mean) v = l.count ? v / l.count : (std::is_same_v<T, float> ? NAN : 0.0);
     if constexpr (std::is_same_v<T, float>) out[i] = static_cast<float>(v);
     else out[i] = mean ? static_cast<int32_t>(v) : Wrap(static_cast<int64_t>(v));
   }
+}
+// Outputs in parallel ranges where there are many of them and several blocks to add (a positional
+// embedding's gradient, [32, 128, 128] summed over the batch: 16384 outputs x 8 blocks, 0.24 ms on one
+// thread after the blocks ran on two): each output's additions are the same, in the same order.
+constexpr int64_t kFinishGrain = 4096;
+template <typename T>
+void Finish(const ReduceLayout& l, bool mean, double* acc, T* out) {
+  if (l.nout < 2 * kFinishGrain || PartialArrays(l) * ColumnChains(l) < 4) return FinishRange(l, mean, acc, out, 0, l.nout);
+  tbb::parallel_for(tbb::blocked_range<int64_t>(0, l.nout, kFinishGrain), [&](const tbb::blocked_range<int64_t>& r) {
+    FinishRange(l, mean, acc, out, r.begin(), r.end());
+  });
+}
+
+// The partial sums start at +0: one array, zeroed before the blocks run (they share it), or each
+// block's own, zeroed by the block as it starts (in parallel, where it will be written).
+void ZeroPartials(const ReduceLayout& l, std::vector<double>& acc, int64_t arrays) {
+  if (PartialArrays(l) == 1) acc.assign(arrays * PartialSize(l), 0.0);
+  else acc.resize(arrays * PartialArrays(l) * PartialSize(l));
+}
+void ZeroBlockPartial(const ReduceLayout& l, double* part) {
+  if (PartialArrays(l) > 1) std::fill_n(part, PartialSize(l), 0.0);
 }
 
 template <typename Body>
@@ -689,9 +710,10 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
     });
     return;
   }
-  acc.assign(PartialArrays(l) * PartialSize(l), 0.0);
+  ZeroPartials(l, acc, 1);
   ForBlocks(l.blocks, [&](int64_t blk) {
     double* part = PartialOf(l, acc.data(), blk);
+    ZeroBlockPartial(l, part);
     const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
     if (l.inner == 0) return SumRows(l, r0, r1, x, 0, part);
     if (OneColumnBlock(l)) return ColumnRows(x + r0 * l.n, r1 - r0, l.n, 0, part);
@@ -707,11 +729,12 @@ void Reduce(OpCode op, const Shape& shape, const ir::IntList& axes, const Shape&
 void FusedSums(const ReduceLayout& l, int count, const bool* mean, float* const* out, int64_t window,
                WindowProducer produce, std::vector<double>& acc) {
   const int64_t per_sum = PartialArrays(l) * PartialSize(l), chains = ColumnChains(l);
-  acc.assign(per_sum * count, 0.0);
+  ZeroPartials(l, acc, count);
   window = std::max<int64_t>(8, window / 8 * 8);
   ForBlocks(l.blocks, [&](int64_t blk) {
     const int64_t r0 = blk * l.block_rows, r1 = std::min(l.rows, (blk + 1) * l.block_rows);
     auto part = [&](int j) { return PartialOf(l, acc.data() + j * per_sum, blk); };
+    for (int j = 0; j < count; ++j) ZeroBlockPartial(l, part(j));
     if (l.n <= window) {  // whole rows per window
       const int64_t per = std::max<int64_t>(1, window / std::max<int64_t>(l.n, 1));
       for (int64_t w0 = r0; w0 < r1; w0 += per) {

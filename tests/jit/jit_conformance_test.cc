@@ -1949,6 +1949,45 @@ TEST_CASE("large reductions split into blocks agree with the interpreter and are
 }
 
 
+// Many columns summed over several blocks of rows (a positional embedding's gradient, [32, 128, 128]
+// over the batch): the blocks' partials are zeroed by their blocks and added in ranges of outputs in
+// parallel (data_movement.cc Finish), in the documented order all the same: each column down its
+// block's rows in row order in double from +0, the blocks added in block order, rounded once.
+TEST_CASE("column sums over many outputs keep the blocks' order bit for bit", "[jit]") {
+  for (const ir::Shape& shape : {ir::Shape{32, 128, 128}, ir::Shape{37, 9000}, ir::Shape{1000, 40}}) {
+    const ir::Shape out(shape.begin() + 1, shape.end());
+    const jit::ReduceLayout l = jit::LayoutOf(shape, {0}, out);
+    const int64_t rows = shape[0], n = l.nout;
+    INFO("shape [" << rows << ", " << n << "], " << l.blocks << " blocks of " << l.block_rows << " rows");
+    if (n >= 9000) CHECK(l.blocks >= 4);
+    for (OpCode op : {OpCode::kReduceSum, OpCode::kReduceMean}) {
+      CaseBuilder cb(std::string("column sums ") + ir::OpName(op));
+      const ir::ValueId x = cb.In(F(shape));
+      Case c = cb.Out(cb.b.Emit(op, {x}, {{"axes", IntList{0}}}));
+      TensorMap vars;
+      const TensorMap got = JitStep(c.m, vars, c.inputs);
+      const std::vector<float>& v = c.inputs.begin()->second.f32;
+      std::vector<float> want(n);
+      for (int64_t col = 0; col < n; ++col) {
+        double total = 0;
+        for (int64_t r0 = 0; r0 < rows; r0 += l.block_rows) {
+          double block = 0;
+          for (int64_t r = r0; r < std::min(rows, r0 + l.block_rows); ++r) block += v[r * n + col];
+          total = r0 == 0 ? block : total + block;
+        }
+        want[col] = static_cast<float>(op == OpCode::kReduceMean ? total / rows : total);
+      }
+      const std::vector<float>& have = got.at("out").f32;
+      REQUIRE(have.size() == want.size());
+      int64_t differ = 0;
+      for (int64_t col = 0; col < n; ++col) differ += std::memcmp(&have[col], &want[col], sizeof(float)) != 0;
+      INFO(ir::OpName(op));
+      CHECK(differ == 0);
+    }
+  }
+}
+
+
 // How much of its tolerance each case uses (max |diff| / allowed): `jit_conformance_test "[.margins]" -s`.
 TEST_CASE("conformance margins", "[.margins]") {
   for (int i = 0; i < ir::kNumOpCodes; ++i)
