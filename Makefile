@@ -4,6 +4,9 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 # ccache keys on paths relative to the checkout, so every clone and build directory shares one cache.
 export CCACHE_BASEDIR := $(CURDIR)
+# Builds with debug info (the sanitizer and fuzz builds: -g1) would also key on the build directory's
+# absolute path (ccache's hash_dir), so a clean clone elsewhere missed every entry: not hashed.
+export CCACHE_NOHASHDIR := 1
 
 .PHONY: setup configure build train test sanitize fuzz clean
 

@@ -1597,6 +1597,14 @@ bool SinkWanted() {
   }();
   return on;
 }
+// SHARDSTEP_JIT_MERGE_REPEATS=0: a loop computes each copy of a recomputed chain (to compare; MergeRepeatsInLoops).
+bool MergeRepeatsWanted() {
+  static const bool on = [] {
+    const char* e = std::getenv("SHARDSTEP_JIT_MERGE_REPEATS");
+    return !(e && std::string(e) == "0");
+  }();
+  return on;
+}
 // SHARDSTEP_JIT_RELU_MASKS=0: relu's gradient masks read relu's output (to compare; ReluMasksFromInputs).
 bool ReluMasksFromInputsWanted() {
   static const bool on = [] {
@@ -1684,6 +1692,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   const int broadcast_copies = CopyBroadcastsPerReader(m);
   ir::ElementwiseFuser().Run(m);
   if (SinkWanted()) SinkCheapLoopOutputs(m);
+  const int merged = MergeRepeatsWanted() ? MergeRepeatsInLoops(m) : 0;
   const std::string text = ir::Print(m);
   AppendJitModuleText(text);
   static const bool fuse_env = [] {
@@ -1717,6 +1726,7 @@ std::shared_ptr<const CompiledStep> CompiledStep::Compile(const ir::Module& modu
   if (JitDumpWanted()) AppendJitModuleText(step->KernelTable());
   step->info_.recomputed_values = recomputed;
   step->info_.broadcast_copies = broadcast_copies;
+  step->info_.merged_repeats = merged;
   step->info_.source = "compiled";
   step->jit_ = JitCompiler::Create(options);
   step->jit_->DefineSymbols(StepRuntimeSymbols());

@@ -36,6 +36,7 @@ struct CompileInfo {
   int channels_last_convs = 0;  // convolutions on NHWC activations (jit/channels_last.h)
   int recomputed_values = 0;   // copies of cheap values made for their later readers' loops (never written)
   int broadcast_copies = 0;    // copies of a broadcast for its second and later loop readers (never written)
+  int merged_repeats = 0;      // ops that repeated an earlier op of their loop (MergeRepeatsInLoops)
   int in_place_updates = 0;    // variables' new values stored over the old by their loop (PlanInPlaceUpdates)
   int folded_products = 0;     // products a reduce-scatter computes and folds itself (with in-process collectives)
   int gathered_updates = 0;    // variables' new values written into them by a packed all-gather (the same)

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "ir/passes/elementwise_fuser.h"
@@ -603,6 +604,34 @@ int SinkCheapLoopOutputs(ir::Module& m) {
   out.Canonicalize();  // drops a value no reader is left with
   m = std::move(out);
   return sunk;
+}
+
+int MergeRepeatsInLoops(ir::Module& m) {
+  const int n = m.size();
+  std::vector<ValueId> same(n);  // each value's earlier equal in its loop, or itself
+  std::map<std::tuple<int64_t, OpCode, ValueId>, std::vector<ValueId>> seen;  // (loop, op, first operand)
+  int merged = 0;
+  for (ValueId v = 0; v < n; ++v) {
+    ir::Instr& in = m.at(v);
+    for (ValueId& o : in.operands) o = same[o];
+    same[v] = v;
+    const int64_t g = in.GetInt(ir::kFusionAttr, -1);
+    if (g < 0 || in.op == OpCode::kRandomUniform || !ir::IsFusible(m, v)) continue;
+    auto& candidates = seen[{g, in.op, in.operands.empty() ? ir::kNoValue : in.operands[0]}];
+    for (ValueId w : candidates)
+      if (m.at(w) == in) {
+        same[v] = w;
+        ++merged;
+        break;
+      }
+    if (same[v] == v) candidates.push_back(v);
+  }
+  if (merged == 0) return 0;
+  for (auto& [var, v] : m.assigns) v = same[v];
+  for (auto& [var, gr] : m.gradients) gr = same[gr];
+  for (auto& [name, v] : m.outputs) v = same[v];
+  m.Canonicalize();  // drops the repeats, read by nothing now
+  return merged;
 }
 
 }  // namespace shardstep::jit

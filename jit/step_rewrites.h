@@ -3,7 +3,7 @@
 // with JitOptions::bf16_weight_copies), AttentionHeadsInPlace,
 // MaskMaxPoolGradsByRelu, (ConvolutionsChannelsLast,
 // jit/channels_last.h), ReluMasksFromInputs, RecomputeCheapValues, CopyBroadcastsPerReader, then (after the
-// elementwise fuser, whose groups it reads) SinkCheapLoopOutputs. Each keeps every value's bits;
+// elementwise fuser, whose groups they read) SinkCheapLoopOutputs and MergeRepeatsInLoops. Each keeps every value's bits;
 // they change where values are computed and what reaches memory. Some leave forms only the JIT reads
 // (attributes below); `SHARDSTEP_JIT_DUMP=FILE` shows the module after them.
 #pragma once
@@ -80,5 +80,11 @@ int CopyBroadcastsPerReader(ir::Module& m);
 // After the fuser (it reads the "fusion" groups): returns the number of loop outputs computed again in
 // their readers' loops instead of written (step_rewrites.cc).
 int SinkCheapLoopOutputs(ir::Module& m);
+// After the fuser and SinkCheapLoopOutputs: within one loop, an op that repeats an earlier one of the same
+// loop exactly (op, operands, attributes, type) is replaced by it. RecomputeCheapValues gives each reader
+// its own copy of a chain, and a loop holding several such readers then computed the chain once per
+// reader: transformer_lm's GELU gradient loop held x + b six times and its sigmoid three times (LLVM did
+// not merge them). The same ops on the same values: the same bits. Returns the number of ops merged.
+int MergeRepeatsInLoops(ir::Module& m);
 
 }  // namespace shardstep::jit

@@ -2310,6 +2310,45 @@ TEST_CASE("a loop output computed from a value in memory is computed again by it
   }
 }
 
+// GELU's gradient shape: a chain t = x * x + x (from one value in memory) read by a loop that sums and
+// by two readers in a later loop (which waits for the sum). RecomputeCheapValues gives each later reader
+// its own copy of the chain; MergeRepeatsInLoops then leaves one copy in that loop (it computed t twice).
+// The interpreter's bits.
+TEST_CASE("a loop holding two copies of a recomputed chain computes it once", "[jit]") {
+  ir::Module m;
+  m.name = "merged repeats";
+  ir::Builder b(&m);
+  const ir::TensorType t2{DType::kF32, {64, 32}};
+  const auto x = b.Input("x", t2);
+  const auto y = b.Input("y", t2);
+  const auto t = b.Add(b.Mul(x, x), x);
+  const auto s = b.ReduceSum(b.Mul(t, y), {0});  // the first reader
+  m.outputs.push_back({"s", s});
+  const auto bs = b.Broadcast(s, {64, 32}, {1});
+  m.outputs.push_back({"d", b.Add(b.Mul(t, bs), b.Mul(t, y))});  // two readers after the sum
+  ir::Module fused = m;
+  CHECK(jit::RecomputeCheapValues(fused) == 2);
+  ir::ElementwiseFuser().Run(fused);
+  CHECK(jit::MergeRepeatsInLoops(fused) == 2);  // the second copy's mul and add
+  auto step = jit::CompiledStep::Compile(m, jit::JitOptions{"", false});
+  INFO(ir::Print(step->module()));
+  CHECK(step->info().merged_repeats == 2);
+  int squares = 0;  // x * x: one in each loop
+  for (ir::ValueId v = 0; v < step->module().size(); ++v) {
+    const ir::Instr& in = step->module().at(v);
+    squares += in.op == OpCode::kMul && in.operands.size() == 2 && in.operands[0] == in.operands[1];
+  }
+  CHECK(squares == 2);
+  TensorMap vars, vars2;
+  const TensorMap inputs{{"x", Random(t2, 8, Dist::kWide)}, {"y", Random(t2, 9, Dist::kWide)}};
+  const TensorMap ref = RunStep(m, vars, inputs), got = JitStep(m, vars2, inputs);
+  for (const char* k : {"s", "d"}) {
+    INFO(k);
+    REQUIRE(got.at(k).f32.size() == ref.at(k).f32.size());
+    for (size_t e = 0; e < ref.at(k).f32.size(); ++e) CHECK(conformance::Bits(got.at(k).f32[e]) == conformance::Bits(ref.at(k).f32[e]));
+  }
+}
+
 TEST_CASE("bf16 mutation check: one bf16 ulp off in an exact fused case fails and is named", "[jit][bf16][mutation]") {
   int checked = 0;
   for (OpCode op : {OpCode::kAdd, OpCode::kMul, OpCode::kRelu, OpCode::kConvert}) {
