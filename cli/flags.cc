@@ -239,7 +239,21 @@ void ResolveTextVocab(ProgramFlags* f) {
   f->vocab = (task == models::Task::kMaskedLm ? runtime::MakeMaskedLmData(o) : runtime::MakeCharLmData(o)).vocab;
 }
 
+// Each replica takes an equal share of the global batch: said here with the flags' names, before the model's
+// first input would say it with the model's source line.
+void CheckBatchSplits(const ProgramFlags& f) {
+  if (f.replicas <= 1 || f.batch % f.replicas == 0) return;
+  const int64_t below = f.batch / f.replicas * f.replicas, above = below + f.replicas;
+  std::string divisors;
+  for (int r = f.replicas - 1; r >= 1 && divisors.empty(); --r)
+    if (f.batch % r == 0) divisors = Str(r);
+  throw Error(Str("--batch ", f.batch, " does not split evenly over ", f.replicas,
+                  " replicas (each takes batch / replicas examples): use --batch ",
+                  below > 0 ? Str(below, " or ", above) : Str(above), ", or --replicas ", divisors));
+}
+
 dsl::Program BuildProgram(const ProgramFlags& f, int64_t steps) {
+  CheckBatchSplits(f);
   const models::ModelSpec& spec = models::FindModel(f.model);
   dsl::Model m(spec.name, f.seed);
   dsl::Tensor loss = spec.define(m, ModelOptionsFromFlags(f, f.batch));
@@ -254,6 +268,7 @@ ir::Module BuildForward(const ProgramFlags& f, int64_t batch) {
 }
 
 ir::Module BuildModule(const ProgramFlags& f) {
+  CheckBatchSplits(f);
   const models::ModelSpec& spec = models::FindModel(f.model);
   dsl::Model m(spec.name, f.seed);
   m.train(spec.define(m, ModelOptionsFromFlags(f, f.batch)));

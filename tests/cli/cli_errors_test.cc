@@ -213,6 +213,15 @@ TEST_CASE("an evaluation batch that does not divide the test split is an error")
   CHECK_THAT(r.output, Contains("--eval-batch 5000 is larger than the synthetic test split (2000 examples)"));
 }
 
+TEST_CASE("a batch that does not split over the replicas names both flags and the nearest fits") {
+  for (const char* cmd : {"train --dataset synthetic --steps 1 --hidden 8", "compile --hidden 8"}) {
+    auto r = Run(std::string(cmd) + " --batch 10 --replicas 4");
+    CheckOneLineError(r);
+    CHECK_THAT(r.output, Contains("shardstep: error: --batch 10 does not split evenly over 4 replicas (each takes "
+                                  "batch / replicas examples): use --batch 8 or 12, or --replicas 2"));
+  }
+}
+
 TEST_CASE("negative or malformed counts are a short error naming the flag") {
   for (const char* args : {"train --steps -3", "train --steps abc", "train --batch 0", "train --eval-batch -1",
                            "train --lr -1", "compile --batch -4"}) {
